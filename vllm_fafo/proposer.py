@@ -1,0 +1,178 @@
+"""FafoProposer: vLLM's custom-proposer contract around the n-gram pool.
+
+vLLM calls :meth:`FafoProposer.propose` once per step after sampling, with
+the accepted tokens of each request in batch order (see
+``GPUModelRunner.propose_draft_token_ids``). The request ids of that order
+and the finished requests come from the runner patches in
+``vllm_fafo.patches.model_runner``, because the contract itself carries no
+request ids.
+
+Per step and request the work is bounded by the tokens accepted this step
+times K: new n-grams are filed from a short window of the history row vLLM
+already keeps, never from a scan of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+
+from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig
+from vllm_fafo.metrics import FafoMetrics
+from vllm_fafo.pool import NgramPool, Origin
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RequestState:
+    """What the proposer keeps for one running request."""
+
+    pool: NgramPool
+    prompt_len: int
+    next_anchor: int
+    """First history position whose following n-gram is not filed yet."""
+    last_draft_origin: Origin | None = None
+
+
+def file_ngrams(
+    pool: NgramPool,
+    history: Sequence[int],
+    offset: int,
+    anchors: range,
+    ngram_len: int,
+    prompt_len: int,
+) -> None:
+    """File, for each anchor a, ``history[a+1 : a+1+ngram_len]`` under the
+    suffixes of ``history[: a+1]`` (FAFO Alg. 2 applied to decoded text).
+
+    ``history`` holds the tokens from absolute position ``offset`` on.
+    """
+    for anchor in anchors:
+        end = anchor + 1 - offset
+        candidate = tuple(history[end : end + ngram_len])
+        key_start = max(0, end - pool.max_key_len)
+        origin = Origin.PROMPT if anchor + ngram_len < prompt_len else Origin.OUTPUT
+        pool.add(history[key_start:end], candidate, origin)
+
+
+class FafoProposer:
+    """Proposes one pool candidate per request per step (FAFO Alg. 3)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        spec_config = vllm_config.speculative_config
+        assert spec_config is not None
+        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if settings is None:
+            raise RuntimeError(
+                "FafoProposer needs additional_config['fafo']; enable FAFO with "
+                "speculative_config={'method': 'fafo', ...} and the vllm-fafo plugin "
+                "loaded, not by naming this class directly"
+            )
+        self.config = FafoConfig.from_dict(settings)
+        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.metrics = FafoMetrics()
+        self._requests: dict[str, RequestState] = {}
+        self._batch_req_ids: Sequence[str] | None = None
+
+    # Called by the runner patches -------------------------------------------------
+    def set_batch_order(self, req_ids: Sequence[str]) -> None:
+        """Request ids of this step's rows, in the order ``propose`` sees them."""
+        self._batch_req_ids = req_ids
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        """Free the state of finished or aborted requests."""
+        for req_id in req_ids:
+            if self._requests.pop(req_id, None) is not None:
+                self.metrics.requests_freed += 1
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)
+
+    # vLLM's custom proposer contract ----------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load: FAFO is draftless."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings=None,
+    ) -> list[list[int]]:
+        req_ids = self._batch_req_ids
+        if req_ids is None or len(req_ids) < len(sampled_token_ids):
+            raise RuntimeError(
+                "FafoProposer.propose was called without the batch's request ids; "
+                "the vllm_fafo runner patches are not applied in this process"
+            )
+        self._batch_req_ids = None
+        self.metrics.propose_calls += 1
+        drafts: list[list[int]] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
+                drafts.append([])
+                continue
+            num_tokens = int(num_tokens_no_spec[row])
+            state = self._state_for(req_ids[row], num_tokens - len(sampled))
+            if state.last_draft_origin is not None:
+                self.metrics.record_acceptance(state.last_draft_origin, len(sampled) - 1)
+            history = token_ids_cpu[row]
+            self._file_new_ngrams(state, history, num_tokens)
+            drafts.append(self._draft(state, history, num_tokens))
+        return drafts
+
+    # Internals -----------------------------------------------------------------------
+    def _state_for(self, req_id: str, prompt_len: int) -> RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            ngram_len = self.config.num_speculative_tokens
+            first_anchor = 0 if self.config.seed_from_prompt else max(0, prompt_len - ngram_len)
+            state = RequestState(
+                pool=NgramPool(self.config.max_key_len, self.config.pool_capacity),
+                prompt_len=prompt_len,
+                next_anchor=first_anchor,
+            )
+            self._requests[req_id] = state
+            self.metrics.requests_started += 1
+        return state
+
+    def _file_new_ngrams(self, state: RequestState, history: np.ndarray, num_tokens: int) -> None:
+        ngram_len = self.config.num_speculative_tokens
+        stop_anchor = num_tokens - ngram_len  # anchors whose n-gram is complete
+        if stop_anchor <= state.next_anchor:
+            return
+        offset = max(0, state.next_anchor + 1 - self.config.max_key_len)
+        window = history[offset:num_tokens].tolist()
+        file_ngrams(
+            state.pool,
+            window,
+            offset,
+            range(state.next_anchor, stop_anchor),
+            ngram_len,
+            state.prompt_len,
+        )
+        state.next_anchor = stop_anchor
+
+    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> list[int]:
+        room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
+        state.last_draft_origin = None
+        if room <= 0:
+            return []
+        context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
+        found = state.pool.lookup(context)
+        if found is None:
+            self.metrics.record_draft(None, 0)
+            return []
+        candidate, origin = found
+        draft = list(candidate[:room])
+        state.last_draft_origin = origin
+        self.metrics.record_draft(origin, len(draft))
+        return draft

@@ -52,4 +52,5 @@ def apply() -> None:
         translate_speculative_config(self)
         return original(self, target_model_config, target_parallel_config)
 
+    create_speculative_config.vllm_fafo_patch = __name__
     EngineArgs.create_speculative_config = create_speculative_config

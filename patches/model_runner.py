@@ -52,5 +52,6 @@ def apply() -> None:
             drafter.set_batch_order(list(self.input_batch.req_ids))
         return original_propose(self, scheduler_output, *args, **kwargs)
 
+    _update_states.vllm_fafo_patch = propose_draft_token_ids.vllm_fafo_patch = __name__
     GPUModelRunner._update_states = _update_states
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

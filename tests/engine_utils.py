@@ -1,0 +1,62 @@
+"""Helpers to build in-process vLLM engines the same way in every engine test."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+ENGINE_KWARGS: dict[str, Any] = dict(
+    dtype="float32",
+    enforce_eager=True,
+    seed=0,
+    disable_log_stats=False,
+    kv_cache_memory_bytes=512 * 1024 * 1024,
+)
+
+NGRAM_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+
+
+def make_llm(model_dir: str, speculative_config: dict | None, max_model_len: int = 2048):
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir,
+        max_model_len=max_model_len,
+        speculative_config=speculative_config,
+        **ENGINE_KWARGS,
+    )
+
+
+def close_llm(llm) -> None:
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def chat_prompts(llm, texts: list[str]) -> list[str]:
+    from vllm_fafo.assets import chat_prompt
+
+    tokenizer = llm.get_tokenizer()
+    return [chat_prompt(tokenizer, text) for text in texts]
+
+
+def greedy(max_tokens: int, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def generate_one_by_one(llm, prompts, params) -> list:
+    """Batch 1: each prompt decoded alone."""
+    return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]

@@ -1,0 +1,58 @@
+"""FafoConfig validation: every bad key, type and range fails with its name."""
+
+import pytest
+
+from vllm_fafo.config import FafoConfig, FafoConfigError
+
+
+def test_defaults():
+    config = FafoConfig.from_user_dict({"method": "fafo"})
+    assert config == FafoConfig()
+    assert FafoConfig.from_dict(config.to_dict()) == config
+
+
+def test_keys_accept_dashes_like_vllm_cli():
+    config = FafoConfig.from_user_dict({"method": "fafo", "max-key-len": 2})
+    assert config.max_key_len == 2
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("num_speculative_tokens", 0, "['num_speculative_tokens']=0 is out of range"),
+        ("num_speculative_tokens", 65, "integers in [1, 64]"),
+        ("num_speculative_tokens", "4", "must be an integer"),
+        ("num_speculative_tokens", 2.0, "must be an integer"),
+        ("max_key_len", 0, "['max_key_len']=0 is out of range"),
+        ("max_key_len", True, "must be an integer"),
+        ("pool_capacity", 0, "['pool_capacity']=0 is out of range"),
+        ("pool_capacity", None, "must be an integer"),
+        ("seed_from_prompt", 1, "['seed_from_prompt']=1 must be true or false"),
+        ("seed_from_prompt", "yes", "must be true or false"),
+        ("num_lanes", 8, "['num_lanes']=8 is out of range"),
+        ("lane_len", 4, "reserved for fumble lanes"),
+        ("compression", "streaming", "reserved for fumble lanes"),
+        ("kv_budget", 256, "reserved for fumble lanes"),
+        ("prompt_lookup_max", 4, "unknown key 'prompt_lookup_max'"),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(key, value, message):
+    with pytest.raises(FafoConfigError) as info:
+        FafoConfig.from_user_dict({"method": "fafo", key: value})
+    assert message in str(info.value)
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(FafoConfigError, match="allowed keys: .*max_key_len.*pool_capacity"):
+        FafoConfig.from_user_dict({"method": "fafo", "bogus": 1})
+
+
+def test_wrong_method_and_wrong_type():
+    with pytest.raises(FafoConfigError, match="must be 'fafo'"):
+        FafoConfig.from_user_dict({"method": "ngram"})
+    with pytest.raises(FafoConfigError, match="must be a dict"):
+        FafoConfig.from_user_dict(["fafo"])
+
+
+def test_num_lanes_zero_is_pool_only():
+    assert FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0}).num_lanes == 0

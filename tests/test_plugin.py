@@ -1,0 +1,99 @@
+"""The plugin is found through its entry point and guards the vLLM version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from vllm_fafo.plugin import UnsupportedVllmVersion, check_vllm_version
+from vllm_fafo.patches.guard import PatchTargetChanged, require_signature
+
+_PROBE = (
+    "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    "from vllm.engine.arg_utils import EngineArgs; "
+    "print(getattr(EngineArgs.create_speculative_config, 'vllm_fafo_patch', 'unpatched'))"
+)
+
+
+def _probe(env_overrides: dict[str, str]) -> str:
+    env = {**os.environ, **env_overrides}
+    result = subprocess.run([sys.executable, "-c", _PROBE], env=env,
+                            capture_output=True, text=True, timeout=300, check=True)
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_entry_point_is_registered():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("fafo") == "vllm_fafo.plugin:register"
+
+
+def test_vllm_loads_the_plugin_without_any_import_by_hand():
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    result = subprocess.run([sys.executable, "-c", _PROBE], env=env,
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "vllm_fafo.patches.engine_args"
+
+
+def test_vllm_plugins_allowlist_is_respected():
+    assert _probe({"VLLM_PLUGINS": "fafo"}) == "vllm_fafo.patches.engine_args"
+    assert _probe({"VLLM_PLUGINS": "some_other_plugin"}) == "unpatched"
+
+
+def test_other_vllm_versions_are_refused():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match="supports vLLM 0.32.0 only, found 0.31.2"):
+        check_vllm_version("0.31.2")
+
+
+def test_register_twice_patches_once():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fafo.plugin import register
+
+    register()
+    first = EngineArgs.create_speculative_config
+    register()
+    assert EngineArgs.create_speculative_config is first
+
+
+def test_patch_guard_fails_loudly_when_vllm_changes():
+    class Runner:
+        def _update_states(self, output, extra):
+            return output
+
+    require_signature(Runner, "_update_states", ["self", "output"])
+    with pytest.raises(PatchTargetChanged, match="expecting parameters"):
+        require_signature(Runner, "_update_states", ["self", "scheduler_output"])
+    with pytest.raises(PatchTargetChanged, match="no longer exists"):
+        require_signature(Runner, "propose_draft_token_ids", ["self"])
+
+
+def test_bad_config_fails_before_the_model_loads(model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fafo.config import FafoConfigError
+    from vllm_fafo.plugin import register
+
+    register()
+    args = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "bogus": 1})
+    with pytest.raises(FafoConfigError, match="unknown key 'bogus'"):
+        args.create_engine_config()
+
+
+def test_fafo_dict_becomes_custom_class_with_settings_for_workers(model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fafo.plugin import register
+
+    register()
+    spec = {"method": "fafo", "num_speculative_tokens": 3, "max_key_len": 2}
+    config = EngineArgs(model=model_dir, speculative_config=spec).create_engine_config()
+    assert config.speculative_config.method == "custom_class"
+    assert config.speculative_config.model == "vllm_fafo.proposer.FafoProposer"
+    assert config.speculative_config.num_speculative_tokens == 3
+    assert config.additional_config["fafo"]["max_key_len"] == 2

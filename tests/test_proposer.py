@@ -1,0 +1,136 @@
+"""FafoProposer driven directly, the way vLLM's runner calls it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_fafo.config import FafoConfig
+from vllm_fafo.pool import NgramPool
+from vllm_fafo.proposer import FafoProposer
+
+from .test_pool import _reference_lookup
+
+
+def make_proposer(max_model_len=4096, **settings) -> FafoProposer:
+    config = FafoConfig(**settings)
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=config.num_speculative_tokens
+        ),
+        additional_config={"fafo": config.to_dict()},
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+    )
+    return FafoProposer(vllm_config)
+
+
+class FakeBatch:
+    """The runner's persistent batch: one history row per request."""
+
+    def __init__(self, max_model_len=4096):
+        self.req_ids: list[str] = []
+        self.token_ids = np.zeros((8, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(8, dtype=np.int32)
+
+    def add(self, req_id, prompt):
+        row = len(self.req_ids)
+        self.req_ids.append(req_id)
+        self.token_ids[row, : len(prompt)] = prompt
+        self.num_tokens[row] = len(prompt)
+
+    def step(self, proposer, sampled_per_row):
+        for row, sampled in enumerate(sampled_per_row):
+            n = self.num_tokens[row]
+            self.token_ids[row, n : n + len(sampled)] = sampled
+            self.num_tokens[row] += len(sampled)
+        proposer.set_batch_order(self.req_ids)
+        return proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
+
+
+def test_first_draft_matches_reference_and_rows_keep_their_own_pools():
+    proposer = make_proposer(num_speculative_tokens=3, max_key_len=3)
+    batch = FakeBatch()
+    prompt_a = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 9, 1]
+    prompt_b = [5, 5, 6, 5, 5, 7, 5]
+    batch.add("a", prompt_a)
+    batch.add("b", prompt_b)
+    drafts = batch.step(proposer, [[2], [5]])
+    assert tuple(drafts[0]) == _reference_lookup(prompt_a + [2], 3, 3) == (3, 7, 8)
+    assert tuple(drafts[1]) == _reference_lookup(prompt_b + [5], 3, 3) == (7, 5, 5)
+
+
+def test_prefill_chunk_rows_get_no_draft():
+    proposer = make_proposer()
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 1, 2, 1])
+    batch.add("b", [3] * 8)
+    drafts = batch.step(proposer, [[], [3]])
+    assert drafts == [[], [3, 3, 3, 3]]
+    assert proposer.num_tracked_requests == 1
+
+
+def test_draft_respects_max_model_len_and_num_speculative_tokens():
+    proposer = make_proposer(max_model_len=12, num_speculative_tokens=4)
+    batch = FakeBatch(max_model_len=12)
+    batch.add("a", [1, 2, 3, 4, 5, 6, 1, 2, 3])
+    assert batch.step(proposer, [[4]]) == [[5, 6]]  # 10 tokens, room for 2
+    proposer2 = make_proposer(num_speculative_tokens=2)
+    batch2 = FakeBatch()
+    batch2.add("a", [1, 2, 3, 4, 5, 6, 1, 2, 3])
+    assert batch2.step(proposer2, [[4]]) == [[5, 6]]
+
+
+def test_seed_from_prompt_false_ignores_prompt_ngrams():
+    proposer = make_proposer(seed_from_prompt=False)
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    assert batch.step(proposer, [[4]]) == [[]]
+
+
+def test_acceptance_is_attributed_to_the_candidate_origin():
+    proposer = make_proposer(num_speculative_tokens=2, max_key_len=2)
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 3, 4, 9, 1])
+    assert batch.step(proposer, [[2]]) == [[3, 4]]  # from the prompt
+    batch.step(proposer, [[3, 4, 9]])  # both drafted tokens accepted, plus bonus
+    assert proposer.metrics.accepted_tokens["prompt"] == 2
+    assert proposer.metrics.proposed_tokens["prompt"] >= 2
+
+
+def test_state_is_freed_and_nothing_leaks_over_many_requests():
+    proposer = make_proposer()
+    for i in range(500):
+        batch = FakeBatch(max_model_len=64)
+        batch.add(f"r{i}", [i % 7, 1, 2, i % 7, 1])
+        batch.step(proposer, [[2]])
+        batch.step(proposer, [[i % 7]])
+        proposer.remove_requests([f"r{i}"])
+    assert proposer.num_tracked_requests == 0
+    assert proposer.metrics.requests_started == proposer.metrics.requests_freed == 500
+
+
+def test_propose_without_batch_order_fails_loudly():
+    proposer = make_proposer()
+    with pytest.raises(RuntimeError, match="runner patches are not applied"):
+        proposer.propose([[1]], np.array([3]), np.zeros((1, 8), dtype=np.int32))
+
+
+def test_step_cost_does_not_grow_with_history(monkeypatch):
+    """The pool gets the same number of insertions per step at 100 or 3000 tokens."""
+    calls = []
+    original_add = NgramPool.add
+    monkeypatch.setattr(
+        NgramPool, "add", lambda self, *a: (calls.append(1), original_add(self, *a))
+    )
+    per_step = {}
+    for length in (100, 3000):
+        proposer = make_proposer(max_model_len=4096)
+        batch = FakeBatch()
+        rng = np.random.default_rng(length)
+        batch.add("a", rng.integers(0, 50, size=length).tolist())
+        batch.step(proposer, [[1]])  # prefill seeding: proportional to the prompt, once
+        calls.clear()
+        for _ in range(20):
+            batch.step(proposer, [[2, 3]])
+        per_step[length] = len(calls) / 20
+    assert per_step[100] == per_step[3000] == 2

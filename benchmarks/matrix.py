@@ -1,0 +1,305 @@
+"""Benchmark matrix: methods x datasets x batch sizes, every method in one run.
+
+Each method runs in its own child process (one engine build per method, a
+clean peak-memory figure, no engine left behind), decoding the same prompts
+greedily for every dataset and batch size. Every cell is saved as JSON as
+soon as it finishes, so an interrupted run resumes where it stopped
+(``--force`` redoes cells). The parent then compares each cell with plain
+vLLM's (``none``) and ``ngram``'s from the same run and writes a summary
+JSON, a Markdown table and PNG plots.
+
+    python benchmarks/matrix.py --methods none,ngram,fafo --datasets mtbench \
+        --num-prompts 20 --max-tokens 256
+
+A method is a built-in name (``none``, ``ngram``, ``suffix`` when
+arctic-inference is installed, ``fafo``) or ``LABEL=JSON`` for any
+speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
+
+Figures per cell: tau (decoded tokens / target forward steps per request),
+output tokens/s, speedup over ``none`` and over ``ngram`` (same run),
+tail tokens per step (fumble-lane tokens; 0 while lanes are not in this
+release), peak resident memory of the method's process, and whether the
+tokens matched ``none`` token for token. Wall-clock figures depend on the
+machine; the summary records which one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+NGRAM_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+BUILTIN_METHODS: dict[str, dict | None] = {
+    "none": None,
+    "ngram": NGRAM_SPEC,
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "fafo": {"method": "fafo"},
+}
+
+
+def parse_method(text: str) -> tuple[str, dict | None]:
+    """``name`` (built-in) or ``label=JSON`` -> (label, speculative config)."""
+    if "=" in text:
+        label, spec = text.split("=", 1)
+        return label.strip(), json.loads(spec)
+    if text not in BUILTIN_METHODS:
+        raise SystemExit(
+            f"unknown method {text!r}; built-ins: {', '.join(BUILTIN_METHODS)}, "
+            "or LABEL=JSON"
+        )
+    if text == "suffix" and find_spec("arctic_inference") is None:
+        raise SystemExit("method 'suffix' needs the arctic-inference package")
+    return text, BUILTIN_METHODS[text]
+
+
+def cell_path(out: Path, label: str, dataset: str, batch_size: int) -> Path:
+    return out / "cells" / f"{label}__{dataset}__b{batch_size}.json"
+
+
+# Child process: one method, every dataset and batch size ----------------------
+
+
+def run_method_cells(args: argparse.Namespace) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    from vllm_fafo.assets import chat_prompt, load_prompts, smollm2_dir
+    from vllm_fafo.metrics import vllm_spec_counters
+
+    label, spec = parse_method(args.child)
+    out = Path(args.out)
+    todo = [
+        (d, b) for d in args.datasets.split(",") for b in _ints(args.batch_sizes)
+        if args.force or not cell_path(out, label, d, b).exists()
+    ]
+    if not todo:
+        return
+    llm = LLM(
+        model=args.model or str(smollm2_dir()),
+        dtype=args.dtype,
+        enforce_eager=True,
+        seed=0,
+        max_model_len=args.max_model_len,
+        disable_log_stats=False,
+        kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
+        speculative_config=spec,
+    )
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate(["Warm-up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    for dataset, batch_size in todo:
+        texts = load_prompts(dataset, args.num_prompts)
+        prompts = [chat_prompt(tokenizer, t) for t in texts]
+        accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
+        outputs = []
+        start = time.perf_counter()
+        with tqdm(total=len(prompts), desc=f"{label} {dataset} b{batch_size}",
+                  unit="prompt") as bar:
+            for i in range(0, len(prompts), batch_size):
+                chunk = prompts[i : i + batch_size]
+                outputs += llm.generate(chunk, params, use_tqdm=False)
+                bar.update(len(chunk))
+        seconds = time.perf_counter() - start
+        accepted = vllm_spec_counters(llm)["num_accepted_tokens"] - accepted_before
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        tokens = sum(map(len, token_ids))
+        cell = {
+            "method": label, "dataset": dataset, "batch_size": batch_size,
+            "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "tokens": tokens, "accepted": int(accepted),
+            "tau": tokens / (tokens - accepted), "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "tail_tokens_per_step": 0.0,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "token_ids": token_ids,
+        }
+        path = cell_path(out, label, dataset, batch_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cell))
+
+
+# Parent process: orchestrate, compare, report ----------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def summarize(args: argparse.Namespace, labels: list[str]) -> list[dict]:
+    out = Path(args.out)
+    rows = []
+    for dataset in args.datasets.split(","):
+        for batch_size in _ints(args.batch_sizes):
+            cells = {
+                label: json.loads(cell_path(out, label, dataset, batch_size).read_text())
+                for label in labels
+            }
+            plain, ngram = cells.get("none"), cells.get("ngram")
+            for label, cell in cells.items():
+                row = {k: v for k, v in cell.items() if k != "token_ids"}
+                row["speedup_vs_none"] = (
+                    cell["tokens_per_s"] / plain["tokens_per_s"] if plain else None)
+                row["speedup_vs_ngram"] = (
+                    cell["tokens_per_s"] / ngram["tokens_per_s"] if ngram else None)
+                row["identical_to_none"] = (
+                    cell["token_ids"] == plain["token_ids"] if plain else None)
+                rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict], machine: str) -> str:
+    def fmt(value, spec=".2f"):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        f"Machine: {machine}. tau is hardware independent; tokens/s and speedups are"
+        " this machine's.",
+        "",
+        "| dataset | batch | method | tau | tokens/s | speedup vs none | speedup vs ngram"
+        " | tail tok/step | peak RSS MiB | identical to none |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        same = "n/a" if r["identical_to_none"] is None else ("yes" if r["identical_to_none"] else "NO")
+        lines.append(
+            f"| {r['dataset']} | {r['batch_size']} | {r['method']} | {r['tau']:.3f} "
+            f"| {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_none'])} "
+            f"| {fmt(r['speedup_vs_ngram'])} | {r['tail_tokens_per_step']:.1f} "
+            f"| {r['peak_rss_mib']:.0f} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    """tau and speedup per dataset and method (batch 1), and against batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    datasets = sorted({r["dataset"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    smallest_batch = min(r["batch_size"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(methods))
+    for j, (key, title) in enumerate([("tau", "tau (accepted tokens / step)"),
+                                      ("speedup_vs_none", "speedup vs plain vLLM")]):
+        ax = axes[j]
+        for i, method in enumerate(methods):
+            values = [
+                next((r[key] or 0.0 for r in rows if r["dataset"] == d
+                      and r["method"] == method and r["batch_size"] == smallest_batch), 0.0)
+                for d in datasets
+            ]
+            ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))])
+        ax.set_xticklabels(datasets)
+        ax.set_title(f"{title}, batch {smallest_batch}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "tau_speedup_by_dataset.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    if len(batch_sizes) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method in methods:
+            for dataset in datasets:
+                points = sorted((r["batch_size"], r["speedup_vs_none"] or 0.0) for r in rows
+                                if r["method"] == method and r["dataset"] == dataset)
+                ax.plot(*zip(*points), marker="o", label=f"{method} {dataset}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup vs plain vLLM")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "speedup_by_batch_size.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def machine_description() -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["device"] = torch.cuda.get_device_name(0)
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    info.setdefault("device", "cpu")
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="none,ngram,fafo",
+                        help="comma list of built-ins; LABEL=JSON entries via --method")
+    parser.add_argument("--method", action="append", default=[],
+                        help="extra LABEL=JSON method (repeatable)")
+    parser.add_argument("--datasets", default="mtbench")
+    parser.add_argument("--batch-sizes", default="1")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--model", default=None, help="HF folder; default: SmolLM2 built offline")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--force", action="store_true", help="redo finished cells")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child is not None:
+        run_method_cells(args)
+        return
+
+    methods = [m for m in args.methods.split(",") if m] + args.method
+    labels = [parse_method(m)[0] for m in methods]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"method labels must be unique, got {labels}")
+    child_args = [a for a in sys.argv[1:]]
+    for method in methods:
+        subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
+
+    out = Path(args.out)
+    rows = summarize(args, labels)
+    machine = machine_description()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    summary = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": machine,
+               "args": {k: v for k, v in vars(args).items() if k != "child"}, "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = markdown_table(rows, machine.get("device", "cpu") + f", {machine['cpus']} cpus")
+    (out / "summary.md").write_text(table)
+    plots = plot(rows, out)
+    print(table)
+    print(f"wrote {out / 'summary.json'}, {out / 'summary.md'}, "
+          + ", ".join(str(p) for p in plots))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The benchmark command runs end to end on a tiny matrix, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
+    out = tmp_path / "bench"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "matrix.py"),
+        "--methods", "none,ngram,fafo", "--datasets", "mtbench,humaneval",
+        "--num-prompts", "2", "--max-tokens", "16", "--max-model-len", "1024",
+        "--kv-cache-mib", "128", "--out", str(out),
+    ]
+    subprocess.run(command, check=True, timeout=900, cwd=ROOT)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["rows"]
+    assert {(r["method"], r["dataset"]) for r in rows} == {
+        (m, d) for m in ("none", "ngram", "fafo") for d in ("mtbench", "humaneval")
+    }
+    for row in rows:
+        assert row["identical_to_none"] is True
+        assert row["tokens"] > 0 and row["tau"] >= 1.0
+    assert (out / "summary.md").read_text().count("| mtbench |") == 3
+    assert (out / "tau_speedup_by_dataset.png").stat().st_size > 0
+
+    # Finished cells are skipped on a second run: their files stay untouched.
+    cell = out / "cells" / "fafo__mtbench__b1.json"
+    stamp = cell.stat().st_mtime_ns
+    subprocess.run(command, check=True, timeout=900, cwd=ROOT)
+    assert cell.stat().st_mtime_ns == stamp

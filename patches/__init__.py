@@ -16,8 +16,10 @@ def apply_all() -> None:
     global _applied
     if _applied:
         return
-    from vllm_fafo.patches import engine_args, model_runner
+    from vllm_fafo.patches import attention_backend, engine_args, model_runner, tail
 
     engine_args.apply()
     model_runner.apply()
+    tail.apply()
+    attention_backend.apply()
     _applied = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
 
 from vllm_fafo.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -22,6 +23,8 @@ from vllm_fafo.config import (
     FafoConfig,
 )
 from vllm_fafo.patches.guard import require_signature
+
+logger = init_logger(__name__)
 
 
 def translate_speculative_config(args: EngineArgs) -> None:
@@ -38,6 +41,24 @@ def translate_speculative_config(args: EngineArgs) -> None:
     additional = dict(args.additional_config or {})
     additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     args.additional_config = additional
+    if config.num_lanes > 0:
+        _make_room_for_lanes(args)
+
+
+def _make_room_for_lanes(args: EngineArgs) -> None:
+    """Turn off what conflicts with lanes, saying why."""
+    if not args.enforce_eager:
+        logger.warning(
+            "vllm-fafo: fumble lanes change the token count of every step, which "
+            "CUDA graphs capture; running eager (enforce_eager=True)"
+        )
+        args.enforce_eager = True
+    if args.enable_prefix_caching is not False:
+        logger.warning(
+            "vllm-fafo: a prefix-cache hit skips the prompt tokens whose KV would fill "
+            "the lanes' compressed region; prefix caching is off while lanes are on"
+        )
+        args.enable_prefix_caching = False
 
 
 def apply() -> None:

@@ -29,10 +29,14 @@ def test_keys_accept_dashes_like_vllm_cli():
         ("pool_capacity", None, "must be an integer"),
         ("seed_from_prompt", 1, "['seed_from_prompt']=1 must be true or false"),
         ("seed_from_prompt", "yes", "must be true or false"),
-        ("num_lanes", 8, "['num_lanes']=8 is out of range"),
-        ("lane_len", 4, "reserved for fumble lanes"),
-        ("compression", "streaming", "reserved for fumble lanes"),
-        ("kv_budget", 256, "reserved for fumble lanes"),
+        ("num_lanes", -1, "['num_lanes']=-1 is out of range"),
+        ("num_lanes", 257, "integers in [0, 256]"),
+        ("lane_len", 1, "['lane_len']=1 is out of range"),
+        ("compression", "quest", "['compression']='quest' is not a known policy"),
+        ("kv_budget", 4, "['kv_budget']=4 is out of range"),
+        ("kv_budget", 8, "leaves a recent window of 4 tokens"),
+        ("sink_tokens", 256, "['sink_tokens']=256 is out of range"),
+        ("max_lane_requests", 0, "['max_lane_requests']=0 is out of range"),
         ("prompt_lookup_max", 4, "unknown key 'prompt_lookup_max'"),
     ],
 )
@@ -54,5 +58,8 @@ def test_wrong_method_and_wrong_type():
         FafoConfig.from_user_dict(["fafo"])
 
 
-def test_num_lanes_zero_is_pool_only():
-    assert FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0}).num_lanes == 0
+def test_lane_settings_accepted():
+    config = FafoConfig.from_user_dict(
+        {"method": "fafo", "num_lanes": 16, "lane_len": 6, "kv_budget": 128, "sink_tokens": 0}
+    )
+    assert (config.num_lanes, config.lane_len, config.kv_budget) == (16, 6, 128)

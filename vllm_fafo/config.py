@@ -18,9 +18,7 @@ METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
 PROPOSER_CLASS_PATH = "vllm_fafo.proposer.FafoProposer"
 
-# Keys that belong to fumble lanes (a later release). ``num_lanes: 0`` means
-# "pool only" and is accepted; any other value is refused rather than ignored.
-RESERVED_LANE_KEYS = ("num_lanes", "lane_len", "compression", "kv_budget")
+COMPRESSION_POLICIES = ("streaming",)
 
 
 class FafoConfigError(ValueError):
@@ -40,7 +38,19 @@ class FafoConfig:
     seed_from_prompt: bool = True
     """Seed the pool with the prompt's n-grams at prefill."""
     num_lanes: int = 0
-    """Fumble lanes per request. Only 0 (pool only) in this release."""
+    """Fumble lanes per request (0: pool only). Lanes guess future n-grams
+    on the compressed KV in the verification forward pass (FAFO Sec. 4.2)."""
+    lane_len: int = 4
+    """Tokens per lane; the n-grams lanes file have this length."""
+    compression: str = "streaming"
+    """Which KV entries lanes see: ``streaming`` (sink + recent window)."""
+    sink_tokens: int = 4
+    """StreamingLLM attention sinks kept in the compressed region."""
+    kv_budget: int = 256
+    """Tokens in each request's compressed region (sinks + recent window)."""
+    max_lane_requests: int = 8
+    """Requests that get a compressed region (and so lanes) at once; later
+    ones run pool-only until a region frees up at their next prefill."""
 
     @classmethod
     def from_user_dict(cls, raw: dict[str, Any]) -> FafoConfig:
@@ -57,11 +67,6 @@ class FafoConfig:
             )
         allowed = [f.name for f in dataclasses.fields(cls)]
         for key in settings:
-            if key in RESERVED_LANE_KEYS and key != "num_lanes":
-                raise FafoConfigError(
-                    f"speculative_config[{key!r}]={settings[key]!r}: this key is "
-                    "reserved for fumble lanes, which this release does not run yet"
-                )
             if key not in allowed:
                 raise FafoConfigError(
                     f"speculative_config has unknown key {key!r} for method "
@@ -76,7 +81,23 @@ class FafoConfig:
         _check_int("max_key_len", self.max_key_len, 1, 32)
         _check_int("pool_capacity", self.pool_capacity, 1, 4096)
         _check_bool("seed_from_prompt", self.seed_from_prompt)
-        _check_int("num_lanes", self.num_lanes, 0, 0)
+        _check_int("num_lanes", self.num_lanes, 0, 256)
+        _check_int("lane_len", self.lane_len, 2, 32)
+        if self.compression not in COMPRESSION_POLICIES:
+            raise FafoConfigError(
+                f"speculative_config['compression']={self.compression!r} is not a known "
+                f"policy; allowed: {', '.join(repr(p) for p in COMPRESSION_POLICIES)}"
+            )
+        _check_int("kv_budget", self.kv_budget, 8, 1 << 16)
+        _check_int("sink_tokens", self.sink_tokens, 0, self.kv_budget - 1)
+        _check_int("max_lane_requests", self.max_lane_requests, 1, 1024)
+        window = self.kv_budget - self.sink_tokens
+        if window <= self.num_speculative_tokens + 1:
+            raise FafoConfigError(
+                f"speculative_config['kv_budget']={self.kv_budget} leaves a recent window of "
+                f"{window} tokens after {self.sink_tokens} sink tokens; it must exceed "
+                f"num_speculative_tokens + 1 = {self.num_speculative_tokens + 1}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,7 +22,9 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
+from vllm_fafo.compression import StreamingPolicy
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig
+from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import NgramPool, Origin
 
@@ -80,6 +82,20 @@ class FafoProposer:
         self.metrics = FafoMetrics()
         self._requests: dict[str, RequestState] = {}
         self._batch_req_ids: Sequence[str] | None = None
+        self._model = None
+        self.lanes: FumbleLanes | None = None
+        if self.config.num_lanes > 0:
+            self.lanes = FumbleLanes(
+                num_lanes=self.config.num_lanes,
+                lane_len=self.config.lane_len,
+                max_key_len=self.config.max_key_len,
+                max_drafts=self.num_speculative_tokens,
+                max_model_len=self.max_model_len,
+                region_rows=min(self.config.max_lane_requests,
+                                vllm_config.scheduler_config.max_num_seqs),
+                policy=StreamingPolicy(self.config.sink_tokens, self.config.kv_budget),
+                device=vllm_config.device_config.device,
+            )
 
     # Called by the runner patches -------------------------------------------------
     def set_batch_order(self, req_ids: Sequence[str]) -> None:
@@ -88,17 +104,34 @@ class FafoProposer:
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
+        req_ids = list(req_ids)
         for req_id in req_ids:
             if self._requests.pop(req_id, None) is not None:
                 self.metrics.requests_freed += 1
+        if self.lanes is not None:
+            self.lanes.remove_requests(req_ids)
+
+    def plan_tail(self, batch: BatchView):
+        """Lane tail of this step (token ids, positions); see FumbleLanes."""
+        assert self.lanes is not None
+        return self.lanes.plan_step(batch)
+
+    def consume_tail(self, hidden_states) -> None:
+        """Advance the lanes that ran this step and file their n-grams."""
+        assert self.lanes is not None
+        for req_id, ngrams in self.lanes.consume_tail(hidden_states, self._model.compute_logits):
+            pool = self._requests[req_id].pool
+            for context, ngram in ngrams:
+                pool.add(context, ngram, Origin.LANE)
 
     @property
     def num_tracked_requests(self) -> int:
         return len(self._requests)
 
     # vLLM's custom proposer contract ----------------------------------------------
-    def load_model(self, *args, **kwargs) -> None:
-        """Nothing to load: FAFO is draftless."""
+    def load_model(self, model, *args, **kwargs) -> None:
+        """Nothing to load (FAFO is draftless); lanes read the target's logits."""
+        self._model = model
 
     def propose(
         self,
@@ -121,18 +154,20 @@ class FafoProposer:
                 drafts.append([])
                 continue
             num_tokens = int(num_tokens_no_spec[row])
-            state = self._state_for(req_ids[row], num_tokens - len(sampled))
+            history = token_ids_cpu[row]
+            state = self._state_for(req_ids[row], num_tokens - len(sampled), history)
             if state.last_draft_origin is not None:
                 self.metrics.record_acceptance(state.last_draft_origin, len(sampled) - 1)
-            history = token_ids_cpu[row]
             self._file_new_ngrams(state, history, num_tokens)
             drafts.append(self._draft(state, history, num_tokens))
         return drafts
 
     # Internals -----------------------------------------------------------------------
-    def _state_for(self, req_id: str, prompt_len: int) -> RequestState:
+    def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
+            if self.lanes is not None:
+                self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
             ngram_len = self.config.num_speculative_tokens
             first_anchor = 0 if self.config.seed_from_prompt else max(0, prompt_len - ngram_len)
             state = RequestState(

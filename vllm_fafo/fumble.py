@@ -1,0 +1,194 @@
+"""FumbleLanes: plans each step's tail and region updates, consumes lane logits.
+
+Owned by :class:`vllm_fafo.proposer.FafoProposer` when ``num_lanes > 0``.
+The runner patches call :meth:`plan_step` after vLLM prepared the batch
+(it returns the tail's token ids and positions, and publishes the
+:class:`~vllm_fafo.step_plan.StepPlan` the attention wrapper reads) and
+:meth:`consume_tail` with the forward's hidden states before the proposer
+runs, so lane n-grams are in the pool when this step's draft is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+
+from vllm_fafo.compression import StreamingPolicy
+from vllm_fafo.lanes import LaneState
+from vllm_fafo.step_plan import RequestTail, StepPlan, set_current_plan
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class BatchView:
+    """What the planner reads of vLLM's prepared batch (CPU arrays)."""
+
+    req_ids: Sequence[str]
+    query_start_loc: np.ndarray  # (num_reqs + 1,)
+    num_computed_tokens: np.ndarray  # (num_reqs,) tokens computed before this step
+    num_drafts: Sequence[int]  # scheduled draft tokens per row
+    num_tokens: int  # real tokens in the batch
+    capacity: int  # token slots the runner's buffers hold
+
+
+@dataclass
+class _RequestLanes:
+    region_row: int
+    lanes: LaneState | None = None
+    num_drafts_staged: int = 0  # drafts of the last decode step, staged
+    staged_x_pos: int = -1  # position of that step's input token
+
+
+@dataclass
+class _TailRecord:
+    req_id: str
+    tail: RequestTail
+
+
+@dataclass
+class FumbleLanes:
+    num_lanes: int
+    lane_len: int
+    max_key_len: int
+    max_drafts: int
+    max_model_len: int
+    region_rows: int
+    policy: StreamingPolicy
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _requests: dict[str, _RequestLanes] = field(default_factory=dict)
+    _free_rows: list[int] = field(default_factory=list)
+    _tails: list[_TailRecord] = field(default_factory=list)
+    tail_tokens_total: int = 0
+    steps_with_tail: int = 0
+
+    def __post_init__(self) -> None:
+        self._free_rows = list(range(self.region_rows - 1, -1, -1))
+
+    # Request life --------------------------------------------------------------------
+    def remove_requests(self, req_ids) -> None:
+        for req_id in req_ids:
+            state = self._requests.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.region_row)
+
+    def start_lanes(self, req_id: str, prompt: Sequence[int]) -> None:
+        """Called once the prompt is known (first sampled token)."""
+        state = self._requests.get(req_id)
+        if state is not None and state.lanes is None:
+            state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len)
+
+    # Per step ----------------------------------------------------------------------------
+    def plan_step(self, batch: BatchView) -> tuple[np.ndarray, np.ndarray]:
+        """Publish this step's plan; return the tail's token ids and positions."""
+        commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
+        decode_rows = []
+        for row, req_id in enumerate(batch.req_ids):
+            start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
+            first_pos = int(batch.num_computed_tokens[row])
+            state = self._requests.get(req_id)
+            if state is None:
+                if first_pos != 0 or not self._free_rows:
+                    continue  # no region for it: the request runs pool-only
+                state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
+            base = state.region_row * self.policy.kv_budget
+            staged_base = state.region_row * self.max_drafts
+            num_drafts = int(batch.num_drafts[row])
+            is_decode = state.lanes is not None and num_drafts + 1 == end - start
+            # Drafts of the last decode step that vLLM accepted: the request
+            # advanced by 1 + accepted tokens since then.
+            accepted = min(max(first_pos - state.staged_x_pos - 1, 0), state.num_drafts_staged)
+            if is_decode and accepted:
+                commit_src.extend(range(staged_base, staged_base + accepted))
+                commit_dst.extend(
+                    (base + self.policy.slots(np.arange(first_pos - accepted, first_pos))).tolist()
+                )
+            if is_decode:
+                known = 1  # x; the drafts behind it are only staged
+                stage_src.extend(range(start + 1, end))
+                stage_dst.extend(range(staged_base, staged_base + num_drafts))
+                state.num_drafts_staged, state.staged_x_pos = num_drafts, first_pos
+                decode_rows.append((row, req_id, state, first_pos))
+            else:
+                known = end - start
+                state.num_drafts_staged, state.staged_x_pos = 0, -1
+            positions = first_pos + np.arange(known)
+            keep = self.policy.surviving_writes(positions)
+            write_src.extend((start + keep).tolist())
+            write_dst.extend((base + self.policy.slots(positions[keep])).tolist())
+
+        tails, ids, positions = self._layout_tails(batch, decode_rows)
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        plan = StepPlan(
+            region_rows=self.region_rows,
+            region_slots=self.policy.kv_budget,
+            staged_slots=self.max_drafts,
+            commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
+            write_src=as_index(write_src), write_dst=as_index(write_dst),
+            stage_src=as_index(stage_src), stage_dst=as_index(stage_dst),
+            tails=tuple(record.tail for record in tails),
+        )
+        self._tails = tails
+        set_current_plan(plan if (plan.write_dst.numel() or plan.commit_dst.numel()) else None)
+        if tails:
+            self.steps_with_tail += 1
+            self.tail_tokens_total += plan.num_tail_tokens
+        return ids, positions
+
+    def _layout_tails(self, batch: BatchView, decode_rows) -> tuple[list[_TailRecord], np.ndarray, np.ndarray]:
+        """Lanes per request = min(num_lanes, free token slots / decoding requests)."""
+        free = batch.capacity - batch.num_tokens
+        if not decode_rows or free < self.lane_len:
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+        active = min(self.num_lanes, free // (len(decode_rows) * self.lane_len))
+        if active == 0:
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+        records, all_ids, all_pos = [], [], []
+        offset = batch.num_tokens
+        for _, req_id, state, x_pos in decode_rows:
+            ids, pos = state.lanes.tail(active, x_pos, self.max_model_len - 1)
+            tail = RequestTail(
+                region_row=state.region_row,
+                tail_start=offset,
+                active_lanes=active,
+                lane_len=self.lane_len,
+                num_valid=self.policy.num_valid(x_pos + 1),
+            )
+            records.append(_TailRecord(req_id, tail))
+            all_ids.append(ids)
+            all_pos.append(pos)
+            offset += tail.num_tokens
+        return records, np.concatenate(all_ids), np.concatenate(all_pos)
+
+    def consume_tail(
+        self,
+        hidden_states: torch.Tensor,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> list[tuple[str, list[tuple[list[int], tuple[int, ...]]]]]:
+        """Advance every lane that ran this step; return (req_id, n-grams) pairs."""
+        set_current_plan(None)
+        records, self._tails = self._tails, []
+        if not records:
+            return []
+        last_level = [
+            record.tail.tail_start + (record.tail.lane_len - 1) * record.tail.active_lanes + lane
+            for record in records for lane in range(record.tail.active_lanes)
+        ]
+        index = torch.tensor(last_level, dtype=torch.long, device=hidden_states.device)
+        next_tokens = compute_logits(hidden_states[index]).argmax(dim=-1).tolist()
+        results, used = [], 0
+        for record in records:
+            active = record.tail.active_lanes
+            lanes = self._requests[record.req_id].lanes
+            results.append((record.req_id, lanes.advance(active, next_tokens[used : used + active])))
+            used += active
+        return results
+
+    def clear_step(self) -> None:
+        set_current_plan(None)
+        self._tails = []

@@ -1,0 +1,66 @@
+"""What the attention wrapper must do in this step's forward pass.
+
+Built on the CPU by :class:`vllm_fafo.fumble.FumbleLanes` after vLLM prepared
+the batch, read by every attention layer (each layer owns its own region
+buffers, so the plan carries flat indices, not tensors of K/V), and cleared
+once the step's outputs are consumed. Forwards without a plan (warm-up,
+profiling, steps without lanes) pass through the base backend untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RequestTail:
+    """One request's lanes inside the batch's tail."""
+
+    region_row: int
+    tail_start: int  # batch index of the request's first tail token
+    active_lanes: int
+    lane_len: int
+    num_valid: int  # filled slots of the region, this step's token included
+
+    @property
+    def num_tokens(self) -> int:
+        return self.active_lanes * self.lane_len
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Region updates and lane layout of one forward pass.
+
+    Region and staging buffers are addressed flat: ``row * slots + slot``.
+    Order inside a layer: commit accepted drafts staged last step, write this
+    step's known tokens, stage this step's drafts, then run the lanes.
+    """
+
+    region_rows: int
+    region_slots: int
+    staged_slots: int
+    commit_src: torch.Tensor  # flat staging index
+    commit_dst: torch.Tensor  # flat region index
+    write_src: torch.Tensor  # batch token index
+    write_dst: torch.Tensor  # flat region index
+    stage_src: torch.Tensor  # batch token index
+    stage_dst: torch.Tensor  # flat staging index
+    tails: tuple[RequestTail, ...]
+
+    @property
+    def num_tail_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.tails)
+
+
+_current: StepPlan | None = None
+
+
+def set_current_plan(plan: StepPlan | None) -> None:
+    global _current
+    _current = plan
+
+
+def current_plan() -> StepPlan | None:
+    return _current

@@ -17,8 +17,7 @@ speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}
 
 Figures per cell: tau (decoded tokens / target forward steps per request),
 output tokens/s, speedup over ``none`` and over ``ngram`` (same run),
-tail tokens per step (fumble-lane tokens; 0 while lanes are not in this
-release), peak resident memory of the method's process, and whether the
+tail tokens per step (fumble-lane tokens run behind the real ones), peak resident memory of the method's process, and whether the
 tokens matched ``none`` token for token. Wall-clock figures depend on the
 machine; the summary records which one.
 """
@@ -78,7 +77,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_fafo.assets import chat_prompt, load_prompts, smollm2_dir
-    from vllm_fafo.metrics import vllm_spec_counters
+    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
     label, spec = parse_method(args.child)
     out = Path(args.out)
@@ -101,10 +100,18 @@ def run_method_cells(args: argparse.Namespace) -> None:
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(["Warm-up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    is_fafo = bool(spec) and spec.get("method") == "fafo"
+
+    def tail_counters() -> tuple[int, int]:
+        if not is_fafo:
+            return 0, 0
+        metrics = collect_metrics(llm)
+        return metrics["tail_tokens"], metrics["propose_calls"]
     for dataset, batch_size in todo:
         texts = load_prompts(dataset, args.num_prompts)
         prompts = [chat_prompt(tokenizer, t) for t in texts]
         accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
+        tail_before, steps_before = tail_counters()
         outputs = []
         start = time.perf_counter()
         with tqdm(total=len(prompts), desc=f"{label} {dataset} b{batch_size}",
@@ -115,6 +122,8 @@ def run_method_cells(args: argparse.Namespace) -> None:
                 bar.update(len(chunk))
         seconds = time.perf_counter() - start
         accepted = vllm_spec_counters(llm)["num_accepted_tokens"] - accepted_before
+        tail_after, steps_after = tail_counters()
+        steps = steps_after - steps_before
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         tokens = sum(map(len, token_ids))
         cell = {
@@ -122,7 +131,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
             "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "tokens": tokens, "accepted": int(accepted),
             "tau": tokens / (tokens - accepted), "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "tail_tokens_per_step": 0.0,
+            "tokens_per_s": tokens / seconds, "tail_tokens_per_step": (tail_after - tail_before) / steps if steps else 0.0,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "token_ids": token_ids,
         }

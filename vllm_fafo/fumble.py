@@ -64,8 +64,6 @@ class FumbleLanes:
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
     _tails: list[_TailRecord] = field(default_factory=list)
-    tail_tokens_total: int = 0
-    steps_with_tail: int = 0
 
     def __post_init__(self) -> None:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
@@ -135,9 +133,6 @@ class FumbleLanes:
         )
         self._tails = tails
         set_current_plan(plan if (plan.write_dst.numel() or plan.commit_dst.numel()) else None)
-        if tails:
-            self.steps_with_tail += 1
-            self.tail_tokens_total += plan.num_tail_tokens
         return ids, positions
 
     def _layout_tails(self, batch: BatchView, decode_rows) -> tuple[list[_TailRecord], np.ndarray, np.ndarray]:

@@ -22,6 +22,8 @@ class FafoMetrics:
     """Running totals of one proposer (one worker)."""
 
     propose_calls: int = 0
+    tail_tokens: int = 0
+    """Fumble-lane tokens run behind the real tokens, summed over steps."""
     lookups: int = 0
     pool_hits: int = 0
     requests_started: int = 0

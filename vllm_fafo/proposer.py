@@ -114,7 +114,9 @@ class FafoProposer:
     def plan_tail(self, batch: BatchView):
         """Lane tail of this step (token ids, positions); see FumbleLanes."""
         assert self.lanes is not None
-        return self.lanes.plan_step(batch)
+        ids, positions = self.lanes.plan_step(batch)
+        self.metrics.tail_tokens += len(ids)
+        return ids, positions
 
     def consume_tail(self, hidden_states) -> None:
         """Advance the lanes that ran this step and file their n-grams."""

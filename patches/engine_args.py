@@ -1,7 +1,8 @@
 """Turn ``{"method": "fafo", ...}`` into vLLM's ``custom_class`` proposer path.
 
-Wraps ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``
-(vLLM 0.32.0). ``SpeculativeConfig.method`` is a closed Literal, so the user's
+Wraps ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
+(vLLM 0.32.0), before it builds any config: lanes must change the cache and
+compilation settings, which that function reads before the speculative one. ``SpeculativeConfig.method`` is a closed Literal, so the user's
 dict is validated by :class:`vllm_fafo.config.FafoConfig` here, in the front
 process, before vLLM sees it; vLLM then gets ``method="custom_class"`` with
 the proposer's import path, and the FAFO settings ride to every worker in
@@ -15,12 +16,14 @@ import functools
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 
 from vllm_fafo.config import (
     ADDITIONAL_CONFIG_KEY,
     METHOD,
     PROPOSER_CLASS_PATH,
     FafoConfig,
+    FafoConfigError,
 )
 from vllm_fafo.patches.guard import require_signature
 
@@ -42,11 +45,17 @@ def translate_speculative_config(args: EngineArgs) -> None:
     additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     args.additional_config = additional
     if config.num_lanes > 0:
-        _make_room_for_lanes(args)
+        _make_room_for_lanes(args, config)
 
 
-def _make_room_for_lanes(args: EngineArgs) -> None:
-    """Turn off what conflicts with lanes, saying why."""
+def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
+    """Refuse platforms without lane attention; turn off what conflicts, saying why."""
+    if not current_platform.is_cpu():
+        raise FafoConfigError(
+            f"speculative_config['num_lanes']={config.num_lanes}: fumble lanes run on "
+            "vLLM's CPU attention backend only in this release (no CUDA lane attention "
+            f"yet); on {current_platform.device_name} set num_lanes to 0 (pool only)"
+        )
     if not args.enforce_eager:
         logger.warning(
             "vllm-fafo: fumble lanes change the token count of every step, which "
@@ -63,15 +72,13 @@ def _make_room_for_lanes(args: EngineArgs) -> None:
 
 def apply() -> None:
     original = require_signature(
-        EngineArgs,
-        "create_speculative_config",
-        ["self", "target_model_config", "target_parallel_config"],
+        EngineArgs, "create_engine_config", ["self", "usage_context", "headless"]
     )
 
     @functools.wraps(original)
-    def create_speculative_config(self, target_model_config, target_parallel_config):
+    def create_engine_config(self, *args, **kwargs):
         translate_speculative_config(self)
-        return original(self, target_model_config, target_parallel_config)
+        return original(self, *args, **kwargs)
 
-    create_speculative_config.vllm_fafo_patch = __name__
-    EngineArgs.create_speculative_config = create_speculative_config
+    create_engine_config.vllm_fafo_patch = __name__
+    EngineArgs.create_engine_config = create_engine_config

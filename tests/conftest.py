@@ -25,3 +25,30 @@ def model_dir() -> str:
     from vllm_fafo.assets import smollm2_dir
 
     return str(smollm2_dir())
+
+
+@pytest.fixture(scope="session")
+def plain_llm(model_dir):
+    from .engine_utils import ENGINE_MAX_MODEL_LEN, close_llm, make_llm
+
+    llm = make_llm(model_dir, None, max_model_len=ENGINE_MAX_MODEL_LEN)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def mtbench(plain_llm):
+    """The first 20 MT-Bench questions in the model's chat template."""
+    from vllm_fafo.assets import load_prompts
+
+    from .engine_utils import chat_prompts
+
+    return chat_prompts(plain_llm, load_prompts("mtbench", 20))
+
+
+@pytest.fixture(scope="session")
+def plain_batch1_tokens(plain_llm, mtbench):
+    """Plain vLLM's greedy tokens, batch 1, 128 tokens per MT-Bench prompt."""
+    from .engine_utils import generate_one_by_one, greedy, token_ids
+
+    return token_ids(generate_one_by_one(plain_llm, mtbench, greedy(128)))

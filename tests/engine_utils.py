@@ -13,22 +13,18 @@ ENGINE_KWARGS: dict[str, Any] = dict(
     kv_cache_memory_bytes=512 * 1024 * 1024,
 )
 
-NGRAM_SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_min": 2,
-    "prompt_lookup_max": 4,
-}
+ENGINE_MAX_MODEL_LEN = 1024
 
 
-def make_llm(model_dir: str, speculative_config: dict | None, max_model_len: int = 2048):
+def make_llm(model_dir: str, speculative_config: dict | None,
+             max_model_len: int = ENGINE_MAX_MODEL_LEN, **overrides):
     from vllm import LLM
 
     return LLM(
         model=model_dir,
         max_model_len=max_model_len,
         speculative_config=speculative_config,
-        **ENGINE_KWARGS,
+        **{**ENGINE_KWARGS, **overrides},
     )
 
 
@@ -60,3 +56,13 @@ def generate_one_by_one(llm, prompts, params) -> list:
 
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_same_tokens(expected: list[list[int]], got: list[list[int]]) -> None:
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert have == want, f"prompt {i} diverges at token {first_diff(want, have)}"
+    assert len(got) == len(expected)

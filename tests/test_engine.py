@@ -12,6 +12,8 @@ from vllm_fafo.assets import load_prompts
 from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
 from .engine_utils import (
+    ENGINE_MAX_MODEL_LEN as MAX_MODEL_LEN,
+    assert_same_tokens,
     chat_prompts,
     close_llm,
     generate_one_by_one,
@@ -22,36 +24,22 @@ from .engine_utils import (
 
 pytestmark = pytest.mark.engine
 
-MAX_MODEL_LEN = 1024
-NUM_PROMPTS = 20
-MAX_TOKENS = 128
-
-
-@pytest.fixture(scope="module")
-def plain_llm(model_dir):
-    llm = make_llm(model_dir, None, max_model_len=MAX_MODEL_LEN)
-    yield llm
-    close_llm(llm)
+POOL_ONLY = {"method": "fafo", "num_lanes": 0}
 
 
 @pytest.fixture(scope="module")
 def fafo_llm(model_dir):
-    llm = make_llm(model_dir, {"method": "fafo"}, max_model_len=MAX_MODEL_LEN)
+    llm = make_llm(model_dir, POOL_ONLY)
     yield llm
     close_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def mtbench(plain_llm):
-    return chat_prompts(plain_llm, load_prompts("mtbench", NUM_PROMPTS))
-
-
-def test_batch1_identical_to_plain_and_drafts_accepted(plain_llm, fafo_llm, mtbench):
+def test_batch1_identical_to_plain_and_drafts_accepted(
+    plain_batch1_tokens, fafo_llm, mtbench
+):
     before = vllm_spec_counters(fafo_llm)["num_accepted_tokens"]
-    expected = token_ids(generate_one_by_one(plain_llm, mtbench, greedy(MAX_TOKENS)))
-    got = token_ids(generate_one_by_one(fafo_llm, mtbench, greedy(MAX_TOKENS)))
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert have == want, f"prompt {i} diverges at token {_first_diff(want, have)}"
+    got = token_ids(generate_one_by_one(fafo_llm, mtbench, greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
     accepted = vllm_spec_counters(fafo_llm)["num_accepted_tokens"] - before
     assert accepted > 0
     metrics = collect_metrics(fafo_llm)
@@ -117,7 +105,3 @@ def test_request_state_freed_after_requests_finish(fafo_llm, mtbench):
 
 def _tracked_requests(worker) -> int:
     return worker.model_runner.drafter.num_tracked_requests
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -15,7 +15,7 @@ from vllm_fafo.patches.guard import PatchTargetChanged, require_signature
 _PROBE = (
     "from vllm.plugins import load_general_plugins; load_general_plugins(); "
     "from vllm.engine.arg_utils import EngineArgs; "
-    "print(getattr(EngineArgs.create_speculative_config, 'vllm_fafo_patch', 'unpatched'))"
+    "print(getattr(EngineArgs.create_engine_config, 'vllm_fafo_patch', 'unpatched'))"
 )
 
 
@@ -56,9 +56,9 @@ def test_register_twice_patches_once():
     from vllm_fafo.plugin import register
 
     register()
-    first = EngineArgs.create_speculative_config
+    first = EngineArgs.create_engine_config
     register()
-    assert EngineArgs.create_speculative_config is first
+    assert EngineArgs.create_engine_config is first
 
 
 def test_patch_guard_fails_loudly_when_vllm_changes():
@@ -97,3 +97,23 @@ def test_fafo_dict_becomes_custom_class_with_settings_for_workers(model_dir):
     assert config.speculative_config.model == "vllm_fafo.proposer.FafoProposer"
     assert config.speculative_config.num_speculative_tokens == 3
     assert config.additional_config["fafo"]["max_key_len"] == 2
+
+
+def test_lanes_refused_where_there_is_no_lane_attention(model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fafo.config import FafoConfigError
+    from vllm_fafo.patches import engine_args
+
+    monkeypatch.setattr(
+        engine_args, "current_platform",
+        SimpleNamespace(is_cpu=lambda: False, device_name="cuda"),
+    )
+    args = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 8})
+    with pytest.raises(FafoConfigError, match="on cuda set num_lanes to 0"):
+        engine_args.translate_speculative_config(args)
+    pool_only = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 0})
+    engine_args.translate_speculative_config(pool_only)
+    assert pool_only.speculative_config["method"] == "custom_class"

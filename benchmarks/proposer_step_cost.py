@@ -22,7 +22,7 @@ from vllm_fafo.proposer import FafoProposer
 
 
 def step_cost_us(history_len: int, steps: int, accepted_per_step: int, seed: int = 0) -> float:
-    config = FafoConfig()
+    config = FafoConfig(num_lanes=0)  # the pool's own cost; lanes cost model compute
     max_len = history_len + steps * (accepted_per_step + 1) + 8
     proposer = FafoProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),

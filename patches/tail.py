@@ -11,6 +11,9 @@ Wraps two methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
 - ``_preprocess(scheduler_output, num_input_tokens, ...)``: after vLLM wrote
   ids and positions (and zeroed the padding's positions), the tail's ids and
   positions are written behind the real tokens.
+- ``execute_model(scheduler_output, ...)``: the step plan the attention layers
+  read is dropped when the forward is over, so no other forward (a dummy run,
+  or another engine in the same process) can see it.
 
 Only steps that went through ``_update_states`` (real steps, not warm-up
 dummy runs) get a tail; see ``vllm_fafo.patches.model_runner``.
@@ -28,6 +31,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_fafo.fumble import BatchView
 from vllm_fafo.patches.guard import require_signature
 from vllm_fafo.proposer import FafoProposer
+from vllm_fafo.step_plan import set_current_plan
 
 PENDING_STEP = "_vllm_fafo_pending_step"
 TAIL = "_vllm_fafo_tail"
@@ -94,7 +98,20 @@ def apply() -> None:
             self.positions[start:end] = torch.as_tensor(positions, dtype=self.positions.dtype)
         return result
 
+    original_execute = require_signature(
+        GPUModelRunner, "execute_model", ["self", "scheduler_output"]
+    )
+
+    @functools.wraps(original_execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        try:
+            return original_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            set_current_plan(None)
+
     _determine_batch_execution_and_padding.vllm_fafo_patch = __name__
     _preprocess.vllm_fafo_patch = __name__
+    execute_model.vllm_fafo_patch = __name__
+    GPUModelRunner.execute_model = execute_model
     GPUModelRunner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
     GPUModelRunner._preprocess = _preprocess

@@ -29,11 +29,9 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def plain_llm(model_dir):
-    from .engine_utils import ENGINE_MAX_MODEL_LEN, close_llm, make_llm
+    from .engine_utils import make_llm
 
-    llm = make_llm(model_dir, None, max_model_len=ENGINE_MAX_MODEL_LEN)
-    yield llm
-    close_llm(llm)
+    return make_llm(model_dir, None)
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +56,27 @@ LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, 
 """Small region budget so every prompt overflows it and the window's ring wraps."""
 
 
+# Every in-process engine lives for the whole session: dropping one shuts
+# down vLLM's distributed groups, which all engines of the process share.
+
+
 @pytest.fixture(scope="session")
 def lanes_llm(model_dir):
-    from .engine_utils import close_llm, make_llm
+    from .engine_utils import make_llm
 
-    llm = make_llm(model_dir, LANES_SPEC)
-    yield llm
-    close_llm(llm)
+    return make_llm(model_dir, LANES_SPEC)
+
+
+@pytest.fixture(scope="session")
+def pool_only_llm(model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0})
+
+
+@pytest.fixture(scope="session")
+def chunked_lanes_llm(model_dir):
+    """Lanes with 32-token prefill chunks."""
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, LANES_SPEC, max_num_batched_tokens=32, max_num_seqs=4)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 ENGINE_KWARGS: dict[str, Any] = dict(
@@ -26,14 +25,6 @@ def make_llm(model_dir: str, speculative_config: dict | None,
         speculative_config=speculative_config,
         **{**ENGINE_KWARGS, **overrides},
     )
-
-
-def close_llm(llm) -> None:
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def chat_prompts(llm, texts: list[str]) -> list[str]:

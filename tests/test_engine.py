@@ -16,23 +16,18 @@ from .engine_utils import (
     ENGINE_MAX_MODEL_LEN as MAX_MODEL_LEN,
     assert_same_tokens,
     chat_prompts,
-    close_llm,
     generate_one_by_one,
     greedy,
-    make_llm,
     token_ids,
 )
 
 pytestmark = pytest.mark.engine
 
-POOL_ONLY = {"method": "fafo", "num_lanes": 0}
 
 
-@pytest.fixture(scope="module")
-def fafo_llm(model_dir):
-    llm = make_llm(model_dir, POOL_ONLY)
-    yield llm
-    close_llm(llm)
+@pytest.fixture
+def fafo_llm(pool_only_llm):
+    return pool_only_llm
 
 
 @pytest.fixture(params=["pool only", "lanes"])

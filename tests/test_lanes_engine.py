@@ -12,13 +12,10 @@ from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
 from vllm_fafo.metrics import collect_metrics
 from vllm_fafo.step_plan import current_plan
 
-from .conftest import LANES_SPEC
 from .engine_utils import (
     assert_same_tokens,
-    close_llm,
     generate_one_by_one,
     greedy,
-    make_llm,
     token_ids,
 )
 
@@ -72,16 +69,12 @@ def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, mon
     assert checked and all(n > 0 for n in checked)
 
 
-def test_chunked_prefill_keeps_outputs_identical(model_dir, plain_llm, mtbench):
+def test_chunked_prefill_keeps_outputs_identical(chunked_lanes_llm, plain_llm, mtbench):
     """Prompts split into 32-token chunks fill the region chunk by chunk."""
-    llm = make_llm(model_dir, LANES_SPEC, max_num_batched_tokens=32, max_num_seqs=4)
-    try:
-        expected = token_ids(plain_llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
-        got = token_ids(llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
-        assert_same_tokens(expected, got)
-        assert collect_metrics(llm)["tail_tokens"] > 0
-    finally:
-        close_llm(llm)
+    expected = token_ids(plain_llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
+    got = token_ids(chunked_lanes_llm.generate(mtbench[:3], greedy(48), use_tqdm=False))
+    assert_same_tokens(expected, got)
+    assert collect_metrics(chunked_lanes_llm)["tail_tokens"] > 0
 
 
 def torch_equal(a, b) -> bool:

@@ -166,7 +166,6 @@ class FumbleLanes:
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ) -> list[tuple[str, list[tuple[list[int], tuple[int, ...]]]]]:
         """Advance every lane that ran this step; return (req_id, n-grams) pairs."""
-        set_current_plan(None)
         records, self._tails = self._tails, []
         if not records:
             return []
@@ -185,5 +184,5 @@ class FumbleLanes:
         return results
 
     def clear_step(self) -> None:
-        set_current_plan(None)
+        """Forget the tail of a step whose proposer did not run."""
         self._tails = []

@@ -272,21 +272,14 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def machine_description() -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count()}
-    try:
-        import torch
+    import torch
+    import vllm
 
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["device"] = torch.cuda.get_device_name(0)
-        import vllm
-
-        info["vllm"] = vllm.__version__
-    except ImportError:
-        pass
-    info.setdefault("device", "cpu")
-    return info
+    return {
+        "platform": platform.platform(), "processor": platform.processor(),
+        "cpus": os.cpu_count(), "torch": torch.__version__, "vllm": vllm.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
 
 
 def main() -> None:

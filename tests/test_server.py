@@ -56,13 +56,16 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
+            if self._healthy():
+                return
             time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=2).status_code == 200
+        except requests.RequestException:  # not listening yet
+            return False
 
     def stop(self) -> None:
         self.proc.terminate()

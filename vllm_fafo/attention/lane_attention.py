@@ -7,6 +7,8 @@ never to drafts, other lanes or other requests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,7 @@ def lane_attention(
 ) -> torch.Tensor:
     """Attention output (T, Hq, D) of one request's lane tokens."""
     num_valid = region_key.shape[0]
-    own = torch.from_numpy(lane_mask(active_lanes, lane_len)).to(query.device)
+    own = _own_lane_mask(active_lanes, lane_len, query.device)
     mask = torch.cat(
         [torch.ones(own.shape[0], num_valid, dtype=torch.bool, device=query.device), own],
         dim=1,
@@ -36,3 +38,9 @@ def lane_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _own_lane_mask(active_lanes: int, lane_len: int, device: torch.device) -> torch.Tensor:
+    """The lane-to-lane mask, built once per layout instead of per layer and step."""
+    return torch.from_numpy(lane_mask(active_lanes, lane_len)).to(device)

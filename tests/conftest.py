@@ -80,3 +80,19 @@ def chunked_lanes_llm(model_dir):
     from .engine_utils import make_llm
 
     return make_llm(model_dir, LANES_SPEC, max_num_batched_tokens=32, max_num_seqs=4)
+
+
+POLICY_SPECS = {
+    "quest": {**LANES_SPEC, "compression": "quest", "kv_budget": 96, "quest_page_size": 16,
+              "quest_recent_tokens": 32, "quest_refresh_steps": 2},
+    "snapkv": {**LANES_SPEC, "compression": "snapkv", "kv_budget": 64, "snapkv_window": 16,
+               "snapkv_recent_tokens": 24},
+}
+"""Budgets well below the prompts' lengths, so every policy has to choose."""
+
+
+@pytest.fixture(scope="session", params=sorted(POLICY_SPECS))
+def policy_llm(request, model_dir):
+    from .engine_utils import make_llm
+
+    return request.param, make_llm(model_dir, POLICY_SPECS[request.param])

@@ -32,7 +32,7 @@ def test_keys_accept_dashes_like_vllm_cli():
         ("num_lanes", -1, "['num_lanes']=-1 is out of range"),
         ("num_lanes", 257, "integers in [0, 256]"),
         ("lane_len", 1, "['lane_len']=1 is out of range"),
-        ("compression", "quest", "['compression']='quest' is not a known policy"),
+        ("compression", "h2o", "['compression']='h2o' is not a known policy"),
         ("kv_budget", 4, "['kv_budget']=4 is out of range"),
         ("kv_budget", 8, "leaves a recent window of 4 tokens"),
         ("sink_tokens", 256, "['sink_tokens']=256 is out of range"),

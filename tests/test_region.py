@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from vllm_fafo.attention.region import CompressedRegion
-from vllm_fafo.compression import StreamingPolicy
+from vllm_fafo.compression import QuestPolicy, SnapKVPolicy, StreamingPolicy
+from vllm_fafo.compression.base import LayerShape
+from vllm_fafo.compression.quest import QuestSettings
+from vllm_fafo.compression.snapkv import SnapKVSettings
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.step_plan import current_plan
 
@@ -31,32 +34,101 @@ class Request:
         self.true_k = torch.randn(600, HK, D, generator=gen)
         self.true_v = torch.randn(600, HK, D, generator=gen)
         self.computed = 0  # positions whose true KV the engine has
+        self.prefill_q = {}  # position -> query the prompt token had
 
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
 
 
-def dense_lane_reference(q, keys, values, allowed):
-    """Per query row: softmax over exactly the allowed key rows (GQA)."""
+def dense_lane_reference(q, visible, req, lane_k, lane_v, lane_allowed):
+    """Per lane token and query head: softmax over exactly the allowed keys.
+
+    ``visible[h]``: region positions KV head h sees; lane tokens see the
+    ``lane_allowed[i]`` tail indices.
+    """
     out = torch.zeros(q.shape[0], HQ, D)
     for i in range(q.shape[0]):
-        idx = torch.tensor(allowed[i])
+        own = torch.tensor(lane_allowed[i])
         for h in range(HQ):
             kv = h // (HQ // HK)
-            scores = (keys[idx, kv] @ q[i, h]) * SCALE
-            out[i, h] = torch.softmax(scores, dim=0) @ values[idx, kv]
+            pos = torch.tensor(sorted(visible[kv]), dtype=torch.long)
+            keys = torch.cat([req.true_k[pos, kv], lane_k[own, kv]])
+            values = torch.cat([req.true_v[pos, kv], lane_v[own, kv]])
+            out[i, h] = torch.softmax((keys @ q[i, h]) * SCALE, dim=0) @ values
     return out
+
+
+class FakePagedKV:
+    """The paged cache as the simulated engine has it: true KV of final positions."""
+
+    def __init__(self, batch: list[Request], final: list[int]):
+        self.batch, self.final = batch, final
+
+    def read(self, batch_row, positions):
+        req = self.batch[batch_row]
+        per_head = positions if positions.dim() == 2 else positions[None].expand(HK, -1)
+        assert int(per_head.max()) < self.final[batch_row], "policy read a non-final position"
+        heads = torch.arange(HK)[:, None].expand_as(per_head)
+        return req.true_k[per_head, heads].transpose(0, 1), req.true_v[per_head, heads].transpose(0, 1)
+
+
+def quest_reference(req, num_final, lane_q, layout, page):
+    """Quest's page choice recomputed from scratch, per KV head (positions)."""
+    first, last = -(-layout.sink_tokens // page), layout.oldest_in_ring(num_final) // page
+    if last <= first:
+        return None
+    count = min(layout.selected_slots // page, last - first)
+    chosen = []
+    for kv in range(HK):
+        scores = []
+        for j in range(first, last):
+            keys = req.true_k[j * page : (j + 1) * page, kv]
+            kmin, kmax = keys.min(dim=0).values, keys.max(dim=0).values
+            score = 0.0
+            for h in range(kv * (HQ // HK), (kv + 1) * (HQ // HK)):
+                score += max(float(torch.maximum(q[h] * kmin, q[h] * kmax).sum()) for q in lane_q)
+            scores.append(score)
+        top = sorted(np.argsort(scores)[::-1][:count] + first)
+        chosen.append([p for j in top for p in range(j * page, (j + 1) * page)])
+    return chosen
+
+
+def snapkv_reference(req, num_final, layout, window, kernel):
+    """SnapKV's choice recomputed with loops, per KV head (positions)."""
+    prompt_len = req.prompt_len
+    end = min(prompt_len, layout.oldest_in_ring(num_final))
+    if end <= layout.sink_tokens:
+        return None
+    obs = range(max(0, prompt_len - window), prompt_len)
+    group = HQ // HK
+    chosen = []
+    for kv in range(HK):
+        votes = torch.zeros(prompt_len)
+        for h in range(kv * group, (kv + 1) * group):
+            for p in obs:
+                q = req.prefill_q[p][h]
+                weights = torch.softmax((req.true_k[: p + 1, kv] @ q) * SCALE, dim=0)
+                votes[: p + 1] += weights / group
+        radius = kernel // 2
+        pooled = torch.stack([votes[max(0, j - radius) : j + radius + 1].mean() for j in range(prompt_len)])
+        count = min(layout.selected_slots, end - layout.sink_tokens)
+        top = pooled[layout.sink_tokens : end].topk(count).indices + layout.sink_tokens
+        chosen.append(sorted(top.tolist()))
+    return chosen
 
 
 def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed):
     rng = np.random.default_rng(seed)
+    layout = policy.layout
     lanes = FumbleLanes(
         num_lanes=num_lanes, lane_len=lane_len, max_key_len=3, max_drafts=max_drafts,
         max_model_len=4096, region_rows=len(requests) + 1, policy=policy,
     )
     region = None
     checked_lane_tokens = 0
+    lane_steps = {r.req_id: 0 for r in requests}
+    selected = {r.req_id: None for r in requests}  # expected positions per KV head
     for _ in range(steps):
         keys, values, qsl, firsts, drafts, plan_rows = [], [], [0], [], [], []
         for req in requests:
@@ -91,35 +163,54 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
         value = torch.cat(values + [torch.randn(len(ids), HK, D)])
         query = torch.randn(key.shape[0], HQ, D)
         output = torch.zeros(key.shape[0], HQ, D)
+        for (req, first, size, _), start in zip(plan_rows, qsl):
+            if req.prefilling:
+                for i in range(size):
+                    req.prefill_q[first + i] = query[start + i]
         if region is None:
-            region = CompressedRegion.allocate(plan, key)
-        region.run_step(plan, query, key, value, output, SCALE)
+            region = CompressedRegion.allocate(plan, LayerShape(
+                plan.region_rows, HQ, HK, D, 4096, torch.float32, torch.device("cpu")))
+        final = [first + size if req.prefilling else first + 1 for req, first, size, _ in plan_rows]
+        region.run_step(plan, query, key, value, output, SCALE, FakePagedKV(requests, final))
 
         tails = {t.region_row: t for t in plan.tails}
         for req, first, size, accepted in plan_rows:
             row = lanes._requests[req.req_id].region_row
             last = first if not req.prefilling else first + size - 1
-            # Region == sinks + latest window of the true KV up to `last`.
-            expected_pos = {}
-            for p in range(last + 1):
-                expected_pos[int(policy.slots([p])[0])] = p
-            base = row * policy.kv_budget
-            for slot, p in expected_pos.items():
-                torch.testing.assert_close(region.key[base + slot], req.true_k[p], rtol=0, atol=0)
-                torch.testing.assert_close(region.value[base + slot], req.true_v[p], rtol=0, atol=0)
             tail = tails.get(row)
             if tail is not None:
+                lane_steps[req.req_id] += 1
                 rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
-                visible = sorted(expected_pos.values())
-                keys_all = torch.cat([req.true_k[visible], key[rows]])
-                values_all = torch.cat([req.true_v[visible], value[rows]])
-                allowed = []
-                for i in range(tail.num_tokens):
-                    own = [len(visible) + j for j in range(tail.num_tokens)
-                           if j % tail.active_lanes == i % tail.active_lanes
-                           and j // tail.active_lanes <= i // tail.active_lanes]
-                    allowed.append(list(range(len(visible))) + own)
-                want = dense_lane_reference(query[rows], keys_all, values_all, allowed)
+                if policy.name == "quest" and (lane_steps[req.req_id] - 1) % policy.settings.refresh_steps == 0:
+                    selected[req.req_id] = quest_reference(
+                        req, last + 1, query[rows], layout, policy.settings.page_size) or selected[req.req_id]
+                if policy.name == "snapkv" and lane_steps[req.req_id] == 1:
+                    selected[req.req_id] = snapkv_reference(
+                        req, last + 1, layout, policy.settings.window, policy.settings.kernel)
+            # Sink and ring == sinks + latest window of the true KV up to `last`.
+            ring_and_sink = {}
+            for p in range(last + 1):
+                ring_and_sink[int(layout.slots([p])[0])] = p
+            base = row * layout.kv_budget
+            for slot, p in ring_and_sink.items():
+                torch.testing.assert_close(region.key[base + slot], req.true_k[p], rtol=0, atol=0)
+                torch.testing.assert_close(region.value[base + slot], req.true_v[p], rtol=0, atol=0)
+            # Selected part == the reference's choice, per KV head.
+            chosen = selected[req.req_id]
+            assert region.selected_count[row] == (len(chosen[0]) if chosen else 0)
+            for kv in range(HK):
+                for i, p in enumerate(chosen[kv] if chosen else []):
+                    slot = base + layout.sink_tokens + i
+                    torch.testing.assert_close(region.key[slot, kv], req.true_k[p, kv], rtol=0, atol=0)
+            if tail is not None:
+                visible = [set(ring_and_sink.values()) | set(chosen[kv] if chosen else ()) for kv in range(HK)]
+                lane_allowed = [
+                    [j for j in range(tail.num_tokens)
+                     if j % tail.active_lanes == i % tail.active_lanes
+                     and j // tail.active_lanes <= i // tail.active_lanes]
+                    for i in range(tail.num_tokens)
+                ]
+                want = dense_lane_reference(query[rows], visible, req, key[rows], value[rows], lane_allowed)
                 torch.testing.assert_close(output[rows], want, rtol=1e-5, atol=1e-5)
                 checked_lane_tokens += tail.num_tokens
             was_prefilling = req.prefilling
@@ -127,7 +218,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             if was_prefilling and not req.prefilling:
                 lanes.start_lanes(req.req_id, list(range(req.prompt_len)))
         lanes.consume_tail(torch.zeros(key.shape[0], 5), lambda h: h)  # advance lanes
-    return checked_lane_tokens
+    return checked_lane_tokens, selected
 
 
 @pytest.mark.parametrize(
@@ -140,15 +231,49 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
     ],
 )
 def test_region_and_lane_attention_match_dense_reference(sink, budget, prompt_lens, chunk):
-    policy = StreamingPolicy(sink, budget)
+    policy = StreamingPolicy(sink, budget, StreamingPolicy.Settings())
     requests = [Request(f"r{i}", n, seed=i) for i, n in enumerate(prompt_lens)]
-    checked = run_simulation(policy, requests, chunk, num_lanes=3, lane_len=2,
-                             max_drafts=4, steps=25, seed=len(prompt_lens))
+    checked, _ = run_simulation(policy, requests, chunk, num_lanes=3, lane_len=2,
+                                max_drafts=4, steps=25, seed=len(prompt_lens))
     assert checked > 0
 
 
+@pytest.mark.parametrize(
+    "sink, budget, settings, prompt_lens, chunk",
+    [
+        (4, 40, QuestSettings(page_size=4, refresh_steps=1, recent_tokens=8), [60], 512),
+        (2, 26, QuestSettings(page_size=4, refresh_steps=3, recent_tokens=8), [9, 70, 33], 512),
+        (0, 20, QuestSettings(page_size=4, refresh_steps=2, recent_tokens=8), [45, 6], 7),
+        (4, 200, QuestSettings(page_size=4, refresh_steps=1, recent_tokens=8), [30], 512),  # budget > sequence
+    ],
+)
+def test_quest_region_matches_dense_reference(sink, budget, settings, prompt_lens, chunk):
+    policy = QuestPolicy(sink, budget, settings)
+    requests = [Request(f"r{i}", n, seed=10 + i) for i, n in enumerate(prompt_lens)]
+    checked, selected = run_simulation(policy, requests, chunk, num_lanes=3, lane_len=2,
+                                       max_drafts=4, steps=25, seed=3)
+    assert checked > 0 and any(chosen for chosen in selected.values())
+
+
+@pytest.mark.parametrize(
+    "sink, budget, settings, prompt_lens, chunk",
+    [
+        (4, 32, SnapKVSettings(window=6, kernel=3, recent_tokens=10), [50], 512),
+        (2, 24, SnapKVSettings(window=4, kernel=1, recent_tokens=8), [9, 40, 23], 512),
+        (0, 20, SnapKVSettings(window=8, kernel=5, recent_tokens=8), [45, 6], 7),  # window across chunks
+        (4, 300, SnapKVSettings(window=6, kernel=3, recent_tokens=10), [30], 512),  # budget > sequence
+    ],
+)
+def test_snapkv_region_matches_dense_reference(sink, budget, settings, prompt_lens, chunk):
+    policy = SnapKVPolicy(sink, budget, settings)
+    requests = [Request(f"r{i}", n, seed=20 + i) for i, n in enumerate(prompt_lens)]
+    checked, selected = run_simulation(policy, requests, chunk, num_lanes=3, lane_len=2,
+                                       max_drafts=4, steps=20, seed=4)
+    assert checked > 0 and any(chosen for chosen in selected.values())
+
+
 def test_lanes_shrink_to_fit_the_free_token_slots():
-    policy = StreamingPolicy(2, 16)
+    policy = StreamingPolicy(2, 16, StreamingPolicy.Settings())
     lanes = FumbleLanes(num_lanes=8, lane_len=2, max_key_len=2, max_drafts=2,
                         max_model_len=4096, region_rows=4, policy=policy)
     req_ids = ["a", "b"]

@@ -11,18 +11,16 @@ settings travel to the workers inside ``VllmConfig.additional_config``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_fafo.compression import POLICIES, CompressionPolicy
+from vllm_fafo.compression.base import settings_keys
+from vllm_fafo.errors import FafoConfigError, check_bool, check_int
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
 PROPOSER_CLASS_PATH = "vllm_fafo.proposer.FafoProposer"
-
-COMPRESSION_POLICIES = ("streaming",)
-
-
-class FafoConfigError(ValueError):
-    """A bad ``speculative_config`` for method ``fafo``."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,8 @@ class FafoConfig:
     lane_len: int = 6
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"
-    """Which KV entries lanes see: ``streaming`` (sink + recent window)."""
+    """Which KV entries lanes see: a name in ``vllm_fafo.compression.POLICIES``
+    (``streaming``, ``quest``, ``snapkv``)."""
     sink_tokens: int = 4
     """StreamingLLM attention sinks kept in the compressed region."""
     kv_budget: int = 256
@@ -51,6 +50,8 @@ class FafoConfig:
     max_lane_requests: int = 8
     """Requests that get a compressed region (and so lanes) at once; later
     ones run pool-only until a region frees up at their next prefill."""
+    compression_settings: dict[str, Any] = field(default_factory=dict)
+    """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
     @classmethod
     def from_user_dict(cls, raw: dict[str, Any]) -> FafoConfig:
@@ -65,32 +66,46 @@ class FafoConfig:
             raise FafoConfigError(
                 f"speculative_config['method'] must be {METHOD!r}, got {method!r}"
             )
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        for key in settings:
-            if key not in allowed:
+        compression = settings.get("compression", cls.compression)
+        chosen = POLICIES.get(compression) if isinstance(compression, str) else None
+        own_keys = settings_keys(chosen) if chosen is not None else {}
+        allowed = [f.name for f in dataclasses.fields(cls) if f.name != "compression_settings"]
+        policy_settings = {}
+        for key in list(settings):
+            if key in allowed:
+                continue
+            if key in own_keys:
+                policy_settings[own_keys[key]] = settings.pop(key)
+                continue
+            owner = next((name for name, p in POLICIES.items() if key in settings_keys(p)), None)
+            if owner is not None:
                 raise FafoConfigError(
-                    f"speculative_config has unknown key {key!r} for method "
-                    f"{METHOD!r}; allowed keys: {', '.join(sorted(allowed + ['method']))}"
+                    f"speculative_config[{key!r}] belongs to compression {owner!r}, "
+                    f"but compression is {compression!r}"
                 )
-        config = cls(**settings)
+            raise FafoConfigError(
+                f"speculative_config has unknown key {key!r} for method {METHOD!r}; "
+                f"allowed keys: {', '.join(sorted(allowed + list(own_keys) + ['method']))}"
+            )
+        config = cls(**settings, compression_settings=policy_settings)
         config.validate()
         return config
 
     def validate(self) -> None:
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
-        _check_int("max_key_len", self.max_key_len, 1, 32)
-        _check_int("pool_capacity", self.pool_capacity, 1, 4096)
-        _check_bool("seed_from_prompt", self.seed_from_prompt)
-        _check_int("num_lanes", self.num_lanes, 0, 256)
-        _check_int("lane_len", self.lane_len, 2, 32)
-        if self.compression not in COMPRESSION_POLICIES:
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        check_int("max_key_len", self.max_key_len, 1, 32)
+        check_int("pool_capacity", self.pool_capacity, 1, 4096)
+        check_bool("seed_from_prompt", self.seed_from_prompt)
+        check_int("num_lanes", self.num_lanes, 0, 256)
+        check_int("lane_len", self.lane_len, 2, 32)
+        if self.compression not in POLICIES:
             raise FafoConfigError(
                 f"speculative_config['compression']={self.compression!r} is not a known "
-                f"policy; allowed: {', '.join(repr(p) for p in COMPRESSION_POLICIES)}"
+                f"policy; allowed: {', '.join(repr(p) for p in POLICIES)}"
             )
-        _check_int("kv_budget", self.kv_budget, 8, 1 << 16)
-        _check_int("sink_tokens", self.sink_tokens, 0, self.kv_budget - 1)
-        _check_int("max_lane_requests", self.max_lane_requests, 1, 1024)
+        check_int("kv_budget", self.kv_budget, 8, 1 << 16)
+        check_int("sink_tokens", self.sink_tokens, 0, self.kv_budget - 1)
+        check_int("max_lane_requests", self.max_lane_requests, 1, 1024)
         window = self.kv_budget - self.sink_tokens
         if window <= self.num_speculative_tokens + 1:
             raise FafoConfigError(
@@ -98,6 +113,14 @@ class FafoConfig:
                 f"{window} tokens after {self.sink_tokens} sink tokens; it must exceed "
                 f"num_speculative_tokens + 1 = {self.num_speculative_tokens + 1}"
             )
+        self.policy_settings().validate(self.sink_tokens, self.kv_budget, self.num_speculative_tokens)
+
+    def policy_settings(self) -> Any:
+        """The chosen policy's Settings, built from ``compression_settings``."""
+        return POLICIES[self.compression].Settings(**self.compression_settings)
+
+    def make_policy(self) -> CompressionPolicy:
+        return POLICIES[self.compression](self.sink_tokens, self.kv_budget, self.policy_settings())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,23 +132,3 @@ class FafoConfig:
         config.validate()
         return config
 
-
-def _check_int(key: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FafoConfigError(
-            f"speculative_config[{key!r}]={value!r} must be an integer "
-            f"in [{low}, {high}], got {type(value).__name__}"
-        )
-    if not low <= value <= high:
-        raise FafoConfigError(
-            f"speculative_config[{key!r}]={value!r} is out of range; "
-            f"allowed: integers in [{low}, {high}]"
-        )
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise FafoConfigError(
-            f"speculative_config[{key!r}]={value!r} must be true or false, "
-            f"got {type(value).__name__}"
-        )

@@ -18,9 +18,9 @@ import torch
 
 from vllm.logger import init_logger
 
-from vllm_fafo.compression import StreamingPolicy
+from vllm_fafo.compression import CompressionPolicy
 from vllm_fafo.lanes import LaneState
-from vllm_fafo.step_plan import RequestTail, StepPlan, set_current_plan
+from vllm_fafo.step_plan import PrefillChunk, RequestTail, StepPlan, set_current_plan
 
 logger = init_logger(__name__)
 
@@ -59,7 +59,7 @@ class FumbleLanes:
     max_drafts: int
     max_model_len: int
     region_rows: int
-    policy: StreamingPolicy
+    policy: CompressionPolicy
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
@@ -85,7 +85,8 @@ class FumbleLanes:
     def plan_step(self, batch: BatchView) -> tuple[np.ndarray, np.ndarray]:
         """Publish this step's plan; return the tail's token ids and positions."""
         commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
-        decode_rows = []
+        new_rows, prefill_chunks, decode_rows = [], [], []
+        layout = self.policy.layout
         for row, req_id in enumerate(batch.req_ids):
             start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
             first_pos = int(batch.num_computed_tokens[row])
@@ -94,7 +95,8 @@ class FumbleLanes:
                 if first_pos != 0 or not self._free_rows:
                     continue  # no region for it: the request runs pool-only
                 state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
-            base = state.region_row * self.policy.kv_budget
+                new_rows.append(state.region_row)
+            base = state.region_row * layout.kv_budget
             staged_base = state.region_row * self.max_drafts
             num_drafts = int(batch.num_drafts[row])
             is_decode = state.lanes is not None and num_drafts + 1 == end - start
@@ -104,31 +106,36 @@ class FumbleLanes:
             if is_decode and accepted:
                 commit_src.extend(range(staged_base, staged_base + accepted))
                 commit_dst.extend(
-                    (base + self.policy.slots(np.arange(first_pos - accepted, first_pos))).tolist()
+                    (base + layout.slots(np.arange(first_pos - accepted, first_pos))).tolist()
                 )
             if is_decode:
                 known = 1  # x; the drafts behind it are only staged
                 stage_src.extend(range(start + 1, end))
                 stage_dst.extend(range(staged_base, staged_base + num_drafts))
                 state.num_drafts_staged, state.staged_x_pos = num_drafts, first_pos
-                decode_rows.append((row, req_id, state, first_pos))
+                decode_rows.append((row, start, req_id, state, first_pos))
             else:
                 known = end - start
                 state.num_drafts_staged, state.staged_x_pos = 0, -1
+                prefill_chunks.append(PrefillChunk(state.region_row, start, end, first_pos))
             positions = first_pos + np.arange(known)
-            keep = self.policy.surviving_writes(positions)
+            keep = layout.surviving_writes(positions)
             write_src.extend((start + keep).tolist())
-            write_dst.extend((base + self.policy.slots(positions[keep])).tolist())
+            write_dst.extend((base + layout.slots(positions[keep])).tolist())
 
         tails, ids, positions = self._layout_tails(batch, decode_rows)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         plan = StepPlan(
+            policy=self.policy,
+            max_model_len=self.max_model_len,
             region_rows=self.region_rows,
-            region_slots=self.policy.kv_budget,
+            region_slots=layout.kv_budget,
             staged_slots=self.max_drafts,
             commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
             write_src=as_index(write_src), write_dst=as_index(write_dst),
             stage_src=as_index(stage_src), stage_dst=as_index(stage_dst),
+            new_rows=tuple(new_rows),
+            prefill_chunks=tuple(prefill_chunks),
             tails=tuple(record.tail for record in tails),
         )
         self._tails = tails
@@ -145,14 +152,16 @@ class FumbleLanes:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         records, all_ids, all_pos = [], [], []
         offset = batch.num_tokens
-        for _, req_id, state, x_pos in decode_rows:
+        for row, x_index, req_id, state, x_pos in decode_rows:
             ids, pos = state.lanes.tail(active, x_pos, self.max_model_len - 1)
             tail = RequestTail(
                 region_row=state.region_row,
+                batch_row=row,
+                x_index=x_index,
                 tail_start=offset,
                 active_lanes=active,
                 lane_len=self.lane_len,
-                num_valid=self.policy.num_valid(x_pos + 1),
+                num_final=x_pos + 1,
             )
             records.append(_TailRecord(req_id, tail))
             all_ids.append(ids)

@@ -22,7 +22,6 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from vllm_fafo.compression import StreamingPolicy
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.metrics import FafoMetrics
@@ -93,7 +92,7 @@ class FafoProposer:
                 max_model_len=self.max_model_len,
                 region_rows=min(self.config.max_lane_requests,
                                 vllm_config.scheduler_config.max_num_seqs),
-                policy=StreamingPolicy(self.config.sink_tokens, self.config.kv_budget),
+                policy=self.config.make_policy(),
                 device=vllm_config.device_config.device,
             )
 

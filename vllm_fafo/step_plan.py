@@ -13,20 +13,34 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_fafo.compression import CompressionPolicy
+
 
 @dataclass(frozen=True)
 class RequestTail:
     """One request's lanes inside the batch's tail."""
 
     region_row: int
+    batch_row: int  # the request's row in vLLM's batch (and block table)
+    x_index: int  # batch index of this step's input token x
     tail_start: int  # batch index of the request's first tail token
     active_lanes: int
     lane_len: int
-    num_valid: int  # filled slots of the region, this step's token included
+    num_final: int  # positions 0..num_final-1 are final, this step's token included
 
     @property
     def num_tokens(self) -> int:
         return self.active_lanes * self.lane_len
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A prompt chunk of a request with a region (its queries feed the policy)."""
+
+    region_row: int
+    start: int  # batch index of the chunk's first token
+    end: int
+    first_pos: int
 
 
 @dataclass(frozen=True)
@@ -35,8 +49,13 @@ class StepPlan:
 
     Region and staging buffers are addressed flat: ``row * slots + slot``.
     Order inside a layer: commit accepted drafts staged last step, write this
-    step's known tokens, stage this step's drafts, then run the lanes.
+    step's known tokens, stage this step's drafts, reset the policy's state of
+    rows that a new request took, show it the prefill chunks, let it select
+    for each request with lanes, then run the lanes.
     """
+
+    policy: CompressionPolicy
+    max_model_len: int
 
     region_rows: int
     region_slots: int
@@ -47,6 +66,8 @@ class StepPlan:
     write_dst: torch.Tensor  # flat region index
     stage_src: torch.Tensor  # batch token index
     stage_dst: torch.Tensor  # flat staging index
+    new_rows: tuple[int, ...]
+    prefill_chunks: tuple[PrefillChunk, ...]
     tails: tuple[RequestTail, ...]
 
     @property

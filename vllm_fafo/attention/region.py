@@ -3,17 +3,21 @@
 Shapes are fixed for the engine's life (``region_rows`` request slots x
 ``region_slots`` tokens), so no step allocates and kernels see static shapes
 (FAFO Sec. 4.4, ``B_fixed``). Rejected drafts never enter the region: drafts
-are staged and only the accepted ones are committed, one step later.
+are staged and only the accepted ones are committed, one step later. The
+sink and ring parts are written by position (the plan's flat indices); the
+selected part is whatever the compression policy chose.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_fafo.attention.lane_attention import lane_attention
-from vllm_fafo.step_plan import StepPlan
+from vllm_fafo.compression.base import LaneStep, LayerShape, PagedKV, RegionLayout
+from vllm_fafo.step_plan import RequestTail, StepPlan
 
 
 @dataclass
@@ -23,14 +27,19 @@ class CompressedRegion:
     staged_key: torch.Tensor  # (rows * staged_slots, Hk, D)
     staged_value: torch.Tensor
     slots: int
+    policy_state: Any
+    selected_count: list[int]  # filled slots of each row's selected part
 
     @classmethod
-    def allocate(cls, plan: StepPlan, like: torch.Tensor) -> CompressedRegion:
-        heads, dim = like.shape[1], like.shape[2]
+    def allocate(cls, plan: StepPlan, shape: LayerShape) -> CompressedRegion:
+        heads, dim = shape.num_kv_heads, shape.head_size
         region = (plan.region_rows * plan.region_slots, heads, dim)
         staged = (plan.region_rows * plan.staged_slots, heads, dim)
-        make = lambda shape: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
-        return cls(make(region), make(region), make(staged), make(staged), plan.region_slots)
+        make = lambda size: torch.zeros(size, dtype=shape.dtype, device=shape.device)  # noqa: E731
+        return cls(
+            make(region), make(region), make(staged), make(staged), plan.region_slots,
+            plan.policy.new_layer_state(shape), [0] * plan.region_rows,
+        )
 
     def run_step(
         self,
@@ -40,17 +49,49 @@ class CompressedRegion:
         value: torch.Tensor,
         output: torch.Tensor,
         scale: float,
+        kv: PagedKV,
     ) -> None:
         self._update(plan, key, value)
+        policy = plan.policy
+        for row in plan.new_rows:
+            policy.reset_row(self.policy_state, row)
+            self.selected_count[row] = 0
+        for chunk in plan.prefill_chunks:
+            policy.observe_prefill(
+                self.policy_state, chunk.region_row, chunk.first_pos, query[chunk.start : chunk.end]
+            )
         for tail in plan.tails:
             tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
-            first = tail.region_row * self.slots
+            step = LaneStep(tail.region_row, tail.batch_row, tail.num_final, query[tail_rows], scale)
+            selection = policy.select(self.policy_state, step, kv)
+            if selection is not None:
+                self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
+            region_key, region_value = self.valid_view(policy.layout, tail)
             output[tail_rows] = lane_attention(
-                query[tail_rows], key[tail_rows], value[tail_rows],
-                self.key[first : first + tail.num_valid],
-                self.value[first : first + tail.num_valid],
+                query[tail_rows], key[tail_rows], value[tail_rows], region_key, region_value,
                 tail.active_lanes, tail.lane_len, scale,
             ).to(output.dtype)
+
+    def valid_view(self, layout: RegionLayout, tail: RequestTail) -> tuple[torch.Tensor, torch.Tensor]:
+        """The filled slots of a row: sinks, selected tokens, ring."""
+        first = tail.region_row * self.slots
+        parts = [
+            (first, first + layout.sink_valid(tail.num_final)),
+            (first + layout.sink_tokens, first + layout.sink_tokens + self.selected_count[tail.region_row]),
+            (first + layout.ring_start, first + layout.ring_start + layout.ring_valid(tail.num_final)),
+        ]
+        keys = torch.cat([self.key[a:b] for a, b in parts])
+        values = torch.cat([self.value[a:b] for a, b in parts])
+        return keys, values
+
+    def _write_selected(self, layout: RegionLayout, row: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        count = key.shape[0]
+        if count > layout.selected_slots:
+            raise ValueError(f"policy selected {count} tokens for {layout.selected_slots} slots")
+        first = row * self.slots + layout.sink_tokens
+        self.key[first : first + count] = key
+        self.value[first : first + count] = value
+        self.selected_count[row] = count
 
     def _update(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
         if plan.commit_dst.numel():

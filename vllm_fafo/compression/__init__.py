@@ -1,10 +1,15 @@
 """KV compression policies: which past tokens form a request's compressed view.
 
-A policy maps absolute token positions to slots of the request's fixed
-compressed region (FAFO Sec. 4.4, ``B_fixed``), so the region keeps one shape
-for the request's whole life and is updated in place.
+See :mod:`vllm_fafo.compression.base` for the interface and how to add one.
 """
 
+from vllm_fafo.compression.base import CompressionPolicy, RegionLayout
+from vllm_fafo.compression.quest import QuestPolicy
+from vllm_fafo.compression.snapkv import SnapKVPolicy
 from vllm_fafo.compression.streaming import StreamingPolicy
 
-__all__ = ["StreamingPolicy"]
+POLICIES: dict[str, type[CompressionPolicy]] = {
+    policy.name: policy for policy in (StreamingPolicy, QuestPolicy, SnapKVPolicy)
+}
+
+__all__ = ["POLICIES", "CompressionPolicy", "QuestPolicy", "RegionLayout", "SnapKVPolicy", "StreamingPolicy"]

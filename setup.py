@@ -32,6 +32,9 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["fafo = vllm_fafo.plugin:register"],
-        "console_scripts": ["vllm-fafo-assets = vllm_fafo.assets:main"],
+        "console_scripts": [
+            "vllm-fafo-assets = vllm_fafo.assets:main",
+            "vllm-fafo-frozen-table = vllm_fafo.frozen_table:main",
+        ],
     },
 )

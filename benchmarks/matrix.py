@@ -12,7 +12,7 @@ JSON, a Markdown table and PNG plots.
         --num-prompts 20 --max-tokens 256
 
 A method is a built-in name (``none``, ``ngram``, ``suffix`` when
-arctic-inference is installed, ``fafo``) or ``LABEL=JSON`` for any
+arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABEL=JSON`` for any
 speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
 
 Figures per cell: tau (decoded tokens / target forward steps per request),
@@ -50,6 +50,8 @@ BUILTIN_METHODS: dict[str, dict | None] = {
     "ngram": NGRAM_SPEC,
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "fafo": {"method": "fafo"},
+    "lookahead": {"method": "lookahead"},
+    "cacheback": {"method": "cacheback"},
 }
 
 

@@ -1,4 +1,5 @@
-"""Turn ``{"method": "fafo", ...}`` into vLLM's ``custom_class`` proposer path.
+"""Turn ``{"method": "fafo" | "lookahead" | "cacheback", ...}`` into vLLM's
+``custom_class`` proposer path.
 
 Wraps ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
 (vLLM 0.32.0), before it builds any config: lanes must change the cache and
@@ -20,11 +21,11 @@ from vllm.platforms import current_platform
 
 from vllm_fafo.config import (
     ADDITIONAL_CONFIG_KEY,
-    METHOD,
     PROPOSER_CLASS_PATH,
     FafoConfig,
     FafoConfigError,
 )
+from vllm_fafo.modes import parse_speculative_config
 from vllm_fafo.patches.guard import require_signature
 
 logger = init_logger(__name__)
@@ -32,10 +33,9 @@ logger = init_logger(__name__)
 
 def translate_speculative_config(args: EngineArgs) -> None:
     """Rewrite ``args`` in place when its speculative config asks for FAFO."""
-    raw = args.speculative_config
-    if not isinstance(raw, dict) or raw.get("method") != METHOD:
+    config = parse_speculative_config(args.speculative_config)
+    if config is None:
         return
-    config = FafoConfig.from_user_dict(raw)
     args.speculative_config = {
         "method": "custom_class",
         "model": PROPOSER_CLASS_PATH,
@@ -51,10 +51,14 @@ def translate_speculative_config(args: EngineArgs) -> None:
 def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
     """Refuse platforms without lane attention; turn off what conflicts, saying why."""
     if not current_platform.is_cpu():
+        fix = (
+            "set num_lanes to 0 (pool only)" if config.method == "fafo"
+            else "use method 'fafo' with num_lanes 0, or 'cacheback'"
+        )
         raise FafoConfigError(
-            f"speculative_config['num_lanes']={config.num_lanes}: fumble lanes run on "
-            "vLLM's CPU attention backend only in this release (no CUDA lane attention "
-            f"yet); on {current_platform.device_name} set num_lanes to 0 (pool only)"
+            f"speculative_config method {config.method!r} runs {config.num_lanes} lanes per "
+            "request: lanes run on vLLM's CPU attention backend only in this release (no "
+            f"CUDA lane attention yet); on {current_platform.device_name} {fix}"
         )
     if not args.enforce_eager:
         logger.warning(

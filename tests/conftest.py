@@ -96,3 +96,25 @@ def policy_llm(request, model_dir):
     from .engine_utils import make_llm
 
     return request.param, make_llm(model_dir, POLICY_SPECS[request.param])
+
+
+@pytest.fixture(scope="session")
+def frozen_table_path(model_dir, tmp_path_factory) -> str:
+    """A Cacheback frozen table built by the shipped command from HumanEval
+    prompts (a stand-in corpus; the engine tests decode MT-Bench)."""
+    from vllm_fafo.frozen_table import main
+
+    path = tmp_path_factory.mktemp("frozen") / "humaneval.json"
+    main(["--dataset", "humaneval", "--model", model_dir, "--out", str(path)])
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["lookahead", "cacheback"])
+def mode_llm(request, model_dir):
+    from .engine_utils import make_llm
+
+    if request.param == "lookahead":
+        spec = {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6}
+    else:
+        spec = {"method": "cacheback", "frozen_table": request.getfixturevalue("frozen_table_path")}
+    return request.param, make_llm(model_dir, spec)

@@ -39,3 +39,12 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     stamp = cell.stat().st_mtime_ns
     subprocess.run(command, check=True, timeout=900, cwd=ROOT)
     assert cell.stat().st_mtime_ns == stamp
+
+
+def test_selection_cost_command_runs():
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "selection_cost.py"),
+        "--contexts", "300", "--shapes", "SmolLM2-135M", "--repeat", "1", "--lane-tokens", "8",
+    ]
+    result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
+    assert "| SmolLM2-135M | 300 |" in result.stdout

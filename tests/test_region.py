@@ -118,7 +118,28 @@ def snapkv_reference(req, num_final, layout, window, kernel):
     return chosen
 
 
-def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed):
+def default_reference(policy):
+    """reference(req, num_final, lane_query, lane_step) -> positions per KV head,
+    or None to keep the previous choice."""
+    if policy.name == "quest":
+        def quest(req, num_final, lane_q, lane_step):
+            if (lane_step - 1) % policy.settings.refresh_steps:
+                return None
+            return quest_reference(req, num_final, lane_q, policy.layout, policy.settings.page_size)
+        return quest
+    if policy.name == "snapkv":
+        def snapkv(req, num_final, lane_q, lane_step):
+            if lane_step != 1:
+                return None
+            return snapkv_reference(req, num_final, policy.layout, policy.settings.window,
+                                    policy.settings.kernel)
+        return snapkv
+    return lambda *args: None
+
+
+def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed,
+                   reference=None):
+    reference = reference or default_reference(policy)
     rng = np.random.default_rng(seed)
     layout = policy.layout
     lanes = FumbleLanes(
@@ -181,12 +202,9 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             if tail is not None:
                 lane_steps[req.req_id] += 1
                 rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
-                if policy.name == "quest" and (lane_steps[req.req_id] - 1) % policy.settings.refresh_steps == 0:
-                    selected[req.req_id] = quest_reference(
-                        req, last + 1, query[rows], layout, policy.settings.page_size) or selected[req.req_id]
-                if policy.name == "snapkv" and lane_steps[req.req_id] == 1:
-                    selected[req.req_id] = snapkv_reference(
-                        req, last + 1, layout, policy.settings.window, policy.settings.kernel)
+                chosen = reference(req, last + 1, query[rows], lane_steps[req.req_id])
+                if chosen is not None:
+                    selected[req.req_id] = chosen
             # Sink and ring == sinks + latest window of the true KV up to `last`.
             ring_and_sink = {}
             for p in range(last + 1):

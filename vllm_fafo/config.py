@@ -42,7 +42,7 @@ class FafoConfig:
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"
     """Which KV entries lanes see: a name in ``vllm_fafo.compression.POLICIES``
-    (``streaming``, ``quest``, ``snapkv``)."""
+    (``streaming``, ``quest``, ``snapkv``, or ``none``: the full KV cache)."""
     sink_tokens: int = 4
     """StreamingLLM attention sinks kept in the compressed region."""
     kv_budget: int = 256
@@ -52,6 +52,26 @@ class FafoConfig:
     ones run pool-only until a region frees up at their next prefill."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
+
+    # Set by the ancestor modes (vllm_fafo.modes), not user keys of "fafo". ------
+    method: str = METHOD
+    """Which method the user asked for (``fafo``, ``lookahead``, ``cacheback``)."""
+    min_key_len: int = 1
+    """Shortest key a candidate is filed under (Cacheback: exactly LL)."""
+    max_keys: int = 0
+    """LRU cap on keys per request (Cacheback's LC); 0: none."""
+    touch_on_lookup: bool = True
+    """A lookup refreshes the candidate it returns (FAFO); Cacheback and
+    Lookahead refresh candidates on insertion only."""
+    seed_from_output: bool = True
+    """File the n-grams of generated text (Lookahead's pool takes lanes' only)."""
+    text_ngram_len: int = 0
+    """Length of the candidates filed from text; 0: num_speculative_tokens."""
+    stagger_lanes: bool = False
+    """Lane i starts i positions later (Lookahead's 2D window); else all
+    lanes guess the text right after the current token (FAFO)."""
+    frozen_table: str | None = None
+    """Path of a Cacheback frozen table, consulted when the pool misses."""
 
     @classmethod
     def from_user_dict(cls, raw: dict[str, Any]) -> FafoConfig:
@@ -69,7 +89,7 @@ class FafoConfig:
         compression = settings.get("compression", cls.compression)
         chosen = POLICIES.get(compression) if isinstance(compression, str) else None
         own_keys = settings_keys(chosen) if chosen is not None else {}
-        allowed = [f.name for f in dataclasses.fields(cls) if f.name != "compression_settings"]
+        allowed = list(USER_KEYS)
         policy_settings = {}
         for key in list(settings):
             if key in allowed:
@@ -114,6 +134,12 @@ class FafoConfig:
                 f"num_speculative_tokens + 1 = {self.num_speculative_tokens + 1}"
             )
         self.policy_settings().validate(self.sink_tokens, self.kv_budget, self.num_speculative_tokens)
+        check_int("min_key_len", self.min_key_len, 1, self.max_key_len)
+        check_int("max_keys", self.max_keys, 0, 1 << 30)
+        check_bool("touch_on_lookup", self.touch_on_lookup)
+        check_bool("seed_from_output", self.seed_from_output)
+        check_int("text_ngram_len", self.text_ngram_len, 0, 64)
+        check_bool("stagger_lanes", self.stagger_lanes)
 
     def policy_settings(self) -> Any:
         """The chosen policy's Settings, built from ``compression_settings``."""
@@ -121,6 +147,11 @@ class FafoConfig:
 
     def make_policy(self) -> CompressionPolicy:
         return POLICIES[self.compression](self.sink_tokens, self.kv_budget, self.policy_settings())
+
+    @property
+    def ngram_len(self) -> int:
+        """Length of the candidates filed from the prompt and the output."""
+        return self.text_ngram_len or self.num_speculative_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,3 +163,10 @@ class FafoConfig:
         config.validate()
         return config
 
+
+
+USER_KEYS = (
+    "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
+    "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests",
+)
+"""Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

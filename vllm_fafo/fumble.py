@@ -60,6 +60,7 @@ class FumbleLanes:
     max_model_len: int
     region_rows: int
     policy: CompressionPolicy
+    stagger_lanes: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
@@ -79,7 +80,7 @@ class FumbleLanes:
         """Called once the prompt is known (first sampled token)."""
         state = self._requests.get(req_id)
         if state is not None and state.lanes is None:
-            state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len)
+            state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len, self.stagger_lanes)
 
     # Per step ----------------------------------------------------------------------------
     def plan_step(self, batch: BatchView) -> tuple[np.ndarray, np.ndarray]:

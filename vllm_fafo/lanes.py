@@ -22,10 +22,18 @@ import numpy as np
 class LaneState:
     """The lanes of one request."""
 
-    def __init__(self, prompt: Sequence[int], num_lanes: int, lane_len: int, max_key_len: int):
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        num_lanes: int,
+        lane_len: int,
+        max_key_len: int,
+        stagger: bool = False,
+    ):
         if not prompt:
             raise ValueError("lanes are initialised from the prompt, which is empty")
         self.lane_len = lane_len
+        self.stagger = stagger
         # Lookahead initialises its window from prompt tokens; spread the lanes
         # over the prompt so they start from different text.
         prompt_arr = np.asarray(prompt, dtype=np.int64)
@@ -39,10 +47,17 @@ class LaneState:
         return self.tokens.shape[0]
 
     def tail(self, active: int, x_pos: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and positions of the first ``active`` lanes, column-wise."""
+        """Token ids and positions of the first ``active`` lanes, column-wise.
+
+        Lane i's token at level l sits at ``x_pos + 1 + l``, plus ``i`` when
+        staggered: then the lanes are the diagonals of Lookahead's 2D window
+        (Lookahead Fig. 2b: the token at window column i + l of step l).
+        """
         ids = self.tokens[:active].T.reshape(-1)
-        levels = np.repeat(np.arange(self.lane_len), active)
-        return ids, np.minimum(x_pos + 1 + levels, max_pos)
+        positions = x_pos + 1 + np.repeat(np.arange(self.lane_len), active)
+        if self.stagger:
+            positions = positions + np.tile(np.arange(active), self.lane_len)
+        return ids, np.minimum(positions, max_pos)
 
     def advance(self, active: int, next_tokens: Sequence[int]) -> list[tuple[list[int], tuple[int, ...]]]:
         """Slide the first ``active`` lanes by one token each.

@@ -2,7 +2,8 @@
 
 vLLM already counts drafted and accepted tokens (``vllm:spec_decode_*``);
 these add what only the proposer knows: pool hits and where each proposed
-or accepted token's candidate came from (prompt, output, or a lane).
+or accepted token's candidate came from (prompt, output, a lane, or
+Cacheback's frozen table).
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ class FafoMetrics:
     proposed_tokens: dict[str, int] = field(default_factory=_per_origin)
     accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
 
-    def record_draft(self, origin: Origin | None, num_tokens: int) -> None:
+    def record_draft(self, origins: list[Origin]) -> None:
+        """One draft, by the origin of each of its tokens (empty: a miss)."""
         self.lookups += 1
-        if origin is not None:
+        if origins:
             self.pool_hits += 1
-            self.proposed_tokens[origin.value] += num_tokens
+        for origin in origins:
+            self.proposed_tokens[origin.value] += 1
 
-    def record_acceptance(self, origin: Origin, num_accepted: int) -> None:
-        self.accepted_tokens[origin.value] += num_accepted
+    def record_acceptance(self, origins: list[Origin]) -> None:
+        """The accepted prefix of the last draft, by token origin."""
+        for origin in origins:
+            self.accepted_tokens[origin.value] += 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

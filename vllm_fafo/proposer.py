@@ -15,7 +15,7 @@ already keeps, never from a scan of the whole sequence.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig
+from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import NgramPool, Origin
@@ -38,7 +39,8 @@ class RequestState:
     prompt_len: int
     next_anchor: int
     """First history position whose following n-gram is not filed yet."""
-    last_draft_origin: Origin | None = None
+    last_draft_origins: list[Origin] = field(default_factory=list)
+    """Where each token of the last draft came from."""
 
 
 def file_ngrams(
@@ -63,7 +65,11 @@ def file_ngrams(
 
 
 class FafoProposer:
-    """Proposes one pool candidate per request per step (FAFO Alg. 3)."""
+    """Proposes one draft chain per request per step (FAFO Alg. 3).
+
+    Serves ``fafo``, ``lookahead`` and ``cacheback`` (see vllm_fafo.modes):
+    they differ only in the configuration of the pool and the lanes.
+    """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         spec_config = vllm_config.speculative_config
@@ -82,6 +88,10 @@ class FafoProposer:
         self._requests: dict[str, RequestState] = {}
         self._batch_req_ids: Sequence[str] | None = None
         self._model = None
+        self.frozen: NgramPool | None = None
+        if self.config.frozen_table is not None:
+            self.frozen = load_table(self.config.frozen_table, self.config.max_key_len,
+                                     self.config.ngram_len)
         self.lanes: FumbleLanes | None = None
         if self.config.num_lanes > 0:
             self.lanes = FumbleLanes(
@@ -93,6 +103,7 @@ class FafoProposer:
                 region_rows=min(self.config.max_lane_requests,
                                 vllm_config.scheduler_config.max_num_seqs),
                 policy=self.config.make_policy(),
+                stagger_lanes=self.config.stagger_lanes,
                 device=vllm_config.device_config.device,
             )
 
@@ -157,8 +168,7 @@ class FafoProposer:
             num_tokens = int(num_tokens_no_spec[row])
             history = token_ids_cpu[row]
             state = self._state_for(req_ids[row], num_tokens - len(sampled), history)
-            if state.last_draft_origin is not None:
-                self.metrics.record_acceptance(state.last_draft_origin, len(sampled) - 1)
+            self.metrics.record_acceptance(state.last_draft_origins[: len(sampled) - 1])
             self._file_new_ngrams(state, history, num_tokens)
             drafts.append(self._draft(state, history, num_tokens))
         return drafts
@@ -169,10 +179,16 @@ class FafoProposer:
         if state is None:
             if self.lanes is not None:
                 self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
-            ngram_len = self.config.num_speculative_tokens
+            ngram_len = self.config.ngram_len
             first_anchor = 0 if self.config.seed_from_prompt else max(0, prompt_len - ngram_len)
             state = RequestState(
-                pool=NgramPool(self.config.max_key_len, self.config.pool_capacity),
+                pool=NgramPool(
+                    self.config.max_key_len,
+                    self.config.pool_capacity,
+                    min_key_len=self.config.min_key_len,
+                    max_keys=self.config.max_keys,
+                    touch_on_lookup=self.config.touch_on_lookup,
+                ),
                 prompt_len=prompt_len,
                 next_anchor=first_anchor,
             )
@@ -181,8 +197,10 @@ class FafoProposer:
         return state
 
     def _file_new_ngrams(self, state: RequestState, history: np.ndarray, num_tokens: int) -> None:
-        ngram_len = self.config.num_speculative_tokens
+        ngram_len = self.config.ngram_len
         stop_anchor = num_tokens - ngram_len  # anchors whose n-gram is complete
+        if not self.config.seed_from_output:
+            stop_anchor = min(stop_anchor, state.prompt_len - ngram_len)
         if stop_anchor <= state.next_anchor:
             return
         offset = max(0, state.next_anchor + 1 - self.config.max_key_len)
@@ -198,17 +216,23 @@ class FafoProposer:
         state.next_anchor = stop_anchor
 
     def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> list[int]:
+        """Chain candidates until the draft is full or no key matches: the
+        request's pool first, then the frozen table (Cacheback Sec. 3.3)."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
-        state.last_draft_origin = None
-        if room <= 0:
-            return []
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
-        found = state.pool.lookup(context)
-        if found is None:
-            self.metrics.record_draft(None, 0)
-            return []
-        candidate, origin = found
-        draft = list(candidate[:room])
-        state.last_draft_origin = origin
-        self.metrics.record_draft(origin, len(draft))
+        draft: list[int] = []
+        origins: list[Origin] = []
+        while len(draft) < room:
+            found = state.pool.lookup(context)
+            if found is None and self.frozen is not None:
+                found = self.frozen.lookup(context)
+            if found is None:
+                break
+            candidate, origin = found
+            piece = list(candidate[: room - len(draft)])
+            draft += piece
+            origins += [origin] * len(piece)
+            context = (context + piece)[-self.config.max_key_len :]
+        state.last_draft_origins = origins
+        self.metrics.record_draft(origins)
         return draft

@@ -66,7 +66,11 @@ class CompressedRegion:
             selection = policy.select(self.policy_state, step, kv)
             if selection is not None:
                 self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
-            region_key, region_value = self.valid_view(policy.layout, tail)
+            if policy.attends_full_cache:
+                final = torch.arange(tail.num_final, device=query.device)
+                region_key, region_value = kv.read(tail.batch_row, final)
+            else:
+                region_key, region_value = self.valid_view(policy.layout, tail)
             output[tail_rows] = lane_attention(
                 query[tail_rows], key[tail_rows], value[tail_rows], region_key, region_value,
                 tail.active_lanes, tail.lane_len, scale,

@@ -4,12 +4,13 @@ See :mod:`vllm_fafo.compression.base` for the interface and how to add one.
 """
 
 from vllm_fafo.compression.base import CompressionPolicy, RegionLayout
+from vllm_fafo.compression.full import FullCachePolicy
 from vllm_fafo.compression.quest import QuestPolicy
 from vllm_fafo.compression.snapkv import SnapKVPolicy
 from vllm_fafo.compression.streaming import StreamingPolicy
 
 POLICIES: dict[str, type[CompressionPolicy]] = {
-    policy.name: policy for policy in (StreamingPolicy, QuestPolicy, SnapKVPolicy)
+    policy.name: policy for policy in (StreamingPolicy, QuestPolicy, SnapKVPolicy, FullCachePolicy)
 }
 
-__all__ = ["POLICIES", "CompressionPolicy", "QuestPolicy", "RegionLayout", "SnapKVPolicy", "StreamingPolicy"]
+__all__ = ["POLICIES", "CompressionPolicy", "FullCachePolicy", "QuestPolicy", "RegionLayout", "SnapKVPolicy", "StreamingPolicy"]

@@ -140,8 +140,10 @@ class CompressionPolicy:
     name: ClassVar[str]
     Settings: ClassVar[type] = NoSettings
     reads_paged_kv: ClassVar[bool] = False
-    """True if :meth:`select` reads the paged KV cache (the backend then checks
+    """True if the policy reads the paged KV cache (the backend then checks
     its layout once per layer)."""
+    attends_full_cache: ClassVar[bool] = False
+    """True: lanes see every final token of the paged cache, not the region."""
 
     def __init__(self, sink_tokens: int, kv_budget: int, settings: Any) -> None:
         self.settings = settings

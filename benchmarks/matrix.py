@@ -36,6 +36,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.modes import METHODS as FAFO_METHODS
 
 NGRAM_SPEC = {
     "method": "ngram",
@@ -106,7 +107,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(["Warm-up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    is_fafo = bool(spec) and spec.get("method") == "fafo"
+    is_fafo = bool(spec) and spec.get("method") in FAFO_METHODS
 
     def tail_counters() -> tuple[int, int]:
         if not is_fafo:

@@ -57,3 +57,11 @@ def assert_same_tokens(expected: list[list[int]], got: list[list[int]]) -> None:
     for i, (want, have) in enumerate(zip(expected, got)):
         assert have == want, f"prompt {i} diverges at token {first_diff(want, have)}"
     assert len(got) == len(expected)
+
+
+def assert_concurrent_identical(plain_llm, llm, prompts: list[str], first_len: int = 40) -> None:
+    """All prompts submitted at once, with different lengths: same tokens as plain."""
+    params = [greedy(first_len + 16 * i) for i in range(len(prompts))]
+    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    got = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert_same_tokens(expected, got)

@@ -13,6 +13,7 @@ from vllm_fafo.metrics import collect_metrics
 from vllm_fafo.step_plan import current_plan
 
 from .engine_utils import (
+    assert_concurrent_identical,
     assert_same_tokens,
     generate_one_by_one,
     greedy,
@@ -34,11 +35,7 @@ def test_batch1_identical_to_plain_and_lane_ngrams_accepted(
 
 
 def test_concurrent_requests_identical_to_plain(plain_llm, lanes_llm, mtbench):
-    prompts = mtbench[:6]
-    params = [greedy(48 + 16 * i) for i in range(len(prompts))]
-    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
-    got = token_ids(lanes_llm.generate(prompts, params, use_tqdm=False))
-    assert_same_tokens(expected, got)
+    assert_concurrent_identical(plain_llm, lanes_llm, mtbench[:6], first_len=48)
 
 
 def test_lanes_turn_prefix_caching_off(lanes_llm):

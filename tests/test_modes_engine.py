@@ -6,7 +6,13 @@ import pytest
 
 from vllm_fafo.metrics import collect_metrics
 
-from .engine_utils import assert_same_tokens, generate_one_by_one, greedy, token_ids
+from .engine_utils import (
+    assert_concurrent_identical,
+    assert_same_tokens,
+    generate_one_by_one,
+    greedy,
+    token_ids,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -27,8 +33,4 @@ def test_batch1_identical_to_plain(mode_llm, plain_batch1_tokens, mtbench):
 
 def test_concurrent_requests_identical_to_plain(mode_llm, plain_llm, mtbench):
     _, llm = mode_llm
-    prompts = mtbench[8:14]
-    params = [greedy(40 + 16 * i) for i in range(len(prompts))]
-    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
-    got = token_ids(llm.generate(prompts, params, use_tqdm=False))
-    assert_same_tokens(expected, got)
+    assert_concurrent_identical(plain_llm, llm, mtbench[8:14])

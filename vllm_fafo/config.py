@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_fafo.compression import POLICIES, CompressionPolicy
 from vllm_fafo.compression.base import settings_keys
-from vllm_fafo.errors import FafoConfigError, check_bool, check_int
+from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
@@ -103,10 +103,7 @@ class FafoConfig:
                     f"speculative_config[{key!r}] belongs to compression {owner!r}, "
                     f"but compression is {compression!r}"
                 )
-            raise FafoConfigError(
-                f"speculative_config has unknown key {key!r} for method {METHOD!r}; "
-                f"allowed keys: {', '.join(sorted(allowed + list(own_keys) + ['method']))}"
-            )
+            raise unknown_key(key, METHOD, allowed + list(own_keys))
         config = cls(**settings, compression_settings=policy_settings)
         config.validate()
         return config

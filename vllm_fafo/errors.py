@@ -9,6 +9,14 @@ class FafoConfigError(ValueError):
     """A bad ``speculative_config`` for a vllm-fafo method."""
 
 
+def unknown_key(key: str, method: str, allowed) -> FafoConfigError:
+    """The error for a key that ``method`` does not know, listing the ones it does."""
+    return FafoConfigError(
+        f"speculative_config has unknown key {key!r} for method {method!r}; "
+        f"allowed keys: {', '.join(sorted([*allowed, 'method']))}"
+    )
+
+
 def check_int(key: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FafoConfigError(

@@ -130,7 +130,6 @@ class FumbleLanes:
             policy=self.policy,
             max_model_len=self.max_model_len,
             region_rows=self.region_rows,
-            region_slots=layout.kv_budget,
             staged_slots=self.max_drafts,
             commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
             write_src=as_index(write_src), write_dst=as_index(write_dst),

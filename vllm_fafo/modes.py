@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_fafo.config import METHOD, FafoConfig
-from vllm_fafo.errors import FafoConfigError, check_bool, check_int
+from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 
 
 def _read_keys(cls, method: str, raw: dict[str, Any]):
@@ -34,10 +34,7 @@ def _read_keys(cls, method: str, raw: dict[str, Any]):
     allowed = [f.name for f in dataclasses.fields(cls)]
     for key in settings:
         if key not in allowed:
-            raise FafoConfigError(
-                f"speculative_config has unknown key {key!r} for method {method!r}; "
-                f"allowed keys: {', '.join(sorted(allowed + ['method']))}"
-            )
+            raise unknown_key(key, method, allowed)
     return cls(**settings)
 
 

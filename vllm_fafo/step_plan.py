@@ -58,7 +58,6 @@ class StepPlan:
     max_model_len: int
 
     region_rows: int
-    region_slots: int
     staged_slots: int
     commit_src: torch.Tensor  # flat staging index
     commit_dst: torch.Tensor  # flat region index
@@ -69,6 +68,10 @@ class StepPlan:
     new_rows: tuple[int, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
     tails: tuple[RequestTail, ...]
+
+    @property
+    def region_slots(self) -> int:
+        return self.policy.layout.kv_budget
 
     @property
     def num_tail_tokens(self) -> int:

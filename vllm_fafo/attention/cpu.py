@@ -50,9 +50,11 @@ class FafoCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             return output
         if self.region is None:
             self.region = CompressedRegion.allocate(plan, self._layer_shape(plan, query, key))
-        paged_kv = CPUPagedKV(kv_cache, attn_metadata.block_table, layer.isa)
-        if not self._layout_checked and plan.tails and plan.policy.reads_paged_kv:
-            self._check_layout(plan, paged_kv, key, value)
+        paged_kv = None  # streaming never reads the cache: no reader per layer and step
+        if plan.policy.reads_paged_kv:
+            paged_kv = CPUPagedKV(kv_cache, attn_metadata.block_table, layer.isa)
+            if not self._layout_checked and plan.tails:
+                self._check_layout(plan, paged_kv, key, value)
         self.region.run_step(plan, query, key, value, output, self.scale, paged_kv)
         return output
 

@@ -49,8 +49,9 @@ class CompressedRegion:
         value: torch.Tensor,
         output: torch.Tensor,
         scale: float,
-        kv: PagedKV,
+        kv: PagedKV | None,
     ) -> None:
+        """``kv`` is None when the policy does not read the paged cache."""
         self._update(plan, key, value)
         policy = plan.policy
         for row in plan.new_rows:

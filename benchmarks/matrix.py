@@ -16,10 +16,17 @@ arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABE
 speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
 
 Figures per cell: tau (decoded tokens / target forward steps per request),
-output tokens/s, speedup over ``none`` and over ``ngram`` (same run),
+output tokens/s, wall time per forward step (batch 1), speedup over ``none``
+and over ``ngram`` (same run),
 tail tokens per step (fumble-lane tokens run behind the real ones), peak resident memory of the method's process, and whether the
 tokens matched ``none`` token for token. Wall-clock figures depend on the
 machine; the summary records which one.
+
+Engines run eager by default (as lanes must); ``--cuda-graphs`` gives the
+methods without lanes vLLM's defaults, the fair baseline on a GPU. ``--shape
+llama3-8b`` swaps the model for a Llama-3-8B body with random weights
+(``load_format="dummy"``): its ms/step prices the same tail layout at a
+realistic size, its tau and outputs mean nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from vllm_fafo.assets import SHAPES
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.modes import METHODS as FAFO_METHODS
 
@@ -83,7 +91,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from vllm_fafo.assets import chat_prompt, load_prompts, smollm2_dir
+    from vllm_fafo.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
     from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
     label, spec = parse_method(args.child)
@@ -94,10 +102,15 @@ def run_method_cells(args: argparse.Namespace) -> None:
     ]
     if not todo:
         return
+    if args.shape:
+        model, load_format = str(shaped_model_dir(args.shape)), "dummy"
+    else:
+        model, load_format = args.model or str(smollm2_dir()), "auto"
     llm = LLM(
-        model=args.model or str(smollm2_dir()),
+        model=model,
+        load_format=load_format,
         dtype=args.dtype,
-        enforce_eager=True,
+        enforce_eager=not args.cuda_graphs,
         seed=0,
         max_model_len=args.max_model_len,
         disable_log_stats=False,
@@ -136,8 +149,11 @@ def run_method_cells(args: argparse.Namespace) -> None:
         cell = {
             "method": label, "dataset": dataset, "batch_size": batch_size,
             "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),
             "tau": tokens / (tokens - accepted), "seconds": seconds,
+            # Every step of a batch-1 request is one forward (its prefill included).
+            "ms_per_step": 1000 * seconds / (tokens - accepted) if batch_size == 1 else None,
             "tokens_per_s": tokens / seconds, "tail_tokens_per_step": (tail_after - tail_before) / steps if steps else 0.0,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "token_ids": token_ids,
@@ -184,15 +200,15 @@ def markdown_table(rows: list[dict], machine: str) -> str:
         f"Machine: {machine}. tau is hardware independent; tokens/s and speedups are"
         " this machine's.",
         "",
-        "| dataset | batch | method | tau | tokens/s | speedup vs none | speedup vs ngram"
+        "| dataset | batch | method | tau | tokens/s | ms/step | speedup vs none | speedup vs ngram"
         " | tail tok/step | peak RSS MiB | identical to none |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         same = "n/a" if r["identical_to_none"] is None else ("yes" if r["identical_to_none"] else "NO")
         lines.append(
             f"| {r['dataset']} | {r['batch_size']} | {r['method']} | {r['tau']:.3f} "
-            f"| {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_none'])} "
+            f"| {r['tokens_per_s']:.1f} | {fmt(r.get('ms_per_step'), '.1f')} | {fmt(r['speedup_vs_none'])} "
             f"| {fmt(r['speedup_vs_ngram'])} | {r['tail_tokens_per_step']:.1f} "
             f"| {r['peak_rss_mib']:.0f} | {same} |"
         )
@@ -296,8 +312,15 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--model", default=None, help="HF folder; default: SmolLM2 built offline")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="HF folder; default: SmolLM2 built offline")
+    model.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                       help="a model body with random weights (load_format dummy), "
+                            "for step cost only: its tau and outputs mean nothing")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="let methods without lanes run with vLLM's defaults (CUDA graphs, "
+                             "compile) instead of eager; lanes always run eager")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/results/latest")
     parser.add_argument("--force", action="store_true", help="redo finished cells")

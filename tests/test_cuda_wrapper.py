@@ -1,0 +1,185 @@
+"""The CUDA lane path, checked on the CPU: everything but the CUDA kernels.
+
+FafoFlashAttentionImpl is vLLM's FlashAttentionImpl with the lane mixin in
+front. Here its base forward (the FlashAttention kernel, real tokens only) is
+replaced by a no-op, and the simulated engine of test_region drives the
+wrapper's own forward over a FlashAttention-shaped paged cache in each of
+vLLM's KV cache layouts: the region, the policies' reads of the cache and
+the lane outputs must match the same dense references as the CPU path.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from tests.test_region import D, HK, HQ, SCALE, Request, run_simulation
+from vllm_fafo.attention.cuda import FafoFlashAttentionBackend, FafoFlashAttentionImpl
+from vllm_fafo.attention.lane_impl import LaneAttentionMixin
+from vllm_fafo.attention.paged_kv import LogicalPagedKV, PagedKVLayoutError
+from vllm_fafo.compression import QuestPolicy, SnapKVPolicy, StreamingPolicy
+from vllm_fafo.compression.quest import QuestSettings
+from vllm_fafo.compression.snapkv import SnapKVSettings
+from vllm_fafo.config import FafoConfigError
+
+BLOCK_SIZE = 16
+MAX_POSITIONS = 600  # test_region's requests hold this many true positions
+
+
+def flash_cache(num_blocks: int, layout: KVCacheLayout) -> torch.Tensor:
+    """A per-layer cache as vLLM hands it to FlashAttention: a logical
+    [blocks, Hk, block_size, 2D] view over memory in ``layout``'s order."""
+    logical = (num_blocks, HK, BLOCK_SIZE, 2 * D)
+    order = layout.layer_view_order
+    physical = torch.zeros([logical[i] for i in order])
+    return physical.permute(*[order.index(i) for i in range(4)])
+
+
+def write_like_flash(kv_cache, block_table, row, positions, key, value) -> None:
+    """reshape_and_cache_flash's effect, through FlashAttentionImpl's own view of the cache."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)  # (B, N, H, D)
+    blocks = block_table[row, positions // BLOCK_SIZE].long()
+    offsets = positions % BLOCK_SIZE
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
+
+
+class FlashWrapperLayer:
+    """One attention layer run through FafoFlashAttentionImpl.forward."""
+
+    def __init__(self, requests, layout: KVCacheLayout, seed: int):
+        per_request = MAX_POSITIONS // BLOCK_SIZE + 1
+        num_blocks = per_request * len(requests) + 3
+        gen = torch.Generator().manual_seed(seed)
+        self.block_table = torch.randperm(num_blocks, generator=gen)[: per_request * len(requests)]
+        self.block_table = self.block_table.view(len(requests), per_request).to(torch.int32)
+        self.kv_cache = flash_cache(num_blocks, layout)
+        self.impl = FafoFlashAttentionImpl(HQ, D, SCALE, HK, None, None, "auto")
+
+    @property
+    def region(self):
+        return self.impl.region
+
+    def step(self, plan, query, key, value, output, final, writes):
+        for row, start, first, count in writes:  # real tokens only: the tail has slot -1
+            positions = torch.arange(first, first + count)
+            write_like_flash(self.kv_cache, self.block_table, row, positions,
+                             key[start : start + count], value[start : start + count])
+        metadata = SimpleNamespace(block_table=self.block_table)
+        self.impl.forward(None, query, key, value, self.kv_cache, metadata, output)
+
+
+@pytest.fixture
+def no_flash_kernel(monkeypatch):
+    """FlashAttention's kernel computes the real tokens; lanes never depend on it."""
+    monkeypatch.setattr(FlashAttentionImpl, "forward", lambda self, layer, q, k, v, cache, md, out, *a: out)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC])
+def test_logical_reader_reads_what_flash_attention_wrote(layout):
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = flash_cache(12, layout)
+    block_table = torch.tensor([[4, 9, 0, 7], [11, 2, 5, 3]], dtype=torch.int32)
+    n = 50
+    key, value = torch.randn(n, HK, D, generator=gen), torch.randn(n, HK, D, generator=gen)
+    positions = torch.arange(n)
+    write_like_flash(kv_cache, block_table, 1, positions, key, value)
+    reader = LogicalPagedKV(kv_cache, block_table)
+    got_key, got_value = reader.read(1, positions)
+    assert torch.equal(got_key, key) and torch.equal(got_value, value)
+    per_head = torch.tensor([[3, 49, 17], [0, 16, 33]])
+    got_key, got_value = reader.read(1, per_head)
+    for h in range(HK):
+        assert torch.equal(got_key[:, h], key[per_head[h], h])
+        assert torch.equal(got_value[:, h], value[per_head[h], h])
+    with pytest.raises(PagedKVLayoutError, match="LogicalPagedKV"):
+        reader.check(0, positions[:5], key[:5], value[:5])
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLHNC])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        StreamingPolicy(2, 16, StreamingPolicy.Settings()),
+        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=2, recent_tokens=8)),
+        SnapKVPolicy(2, 24, SnapKVSettings(window=4, kernel=3, recent_tokens=8)),
+    ],
+    ids=lambda p: p.name,
+)
+def test_flash_wrapper_matches_dense_reference(policy, layout, no_flash_kernel):
+    requests = [Request(f"r{i}", n, seed=30 + i) for i, n in enumerate([9, 45, 23])]
+    layer = FlashWrapperLayer(requests, layout, seed=5)
+    checked, selected = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2,
+                                       max_drafts=4, steps=20, seed=6, layer=layer)
+    assert checked > 0
+    assert policy.name == "streaming" or any(chosen for chosen in selected.values())
+    assert layer.impl._layout_checked == policy.reads_paged_kv
+
+
+def test_flash_wrapper_is_flash_attention_with_lanes():
+    impl = FafoFlashAttentionBackend.get_impl_cls()
+    assert issubclass(impl, FlashAttentionImpl) and issubclass(impl, LaneAttentionMixin)
+    assert impl.__mro__.index(LaneAttentionMixin) < impl.__mro__.index(FlashAttentionImpl)
+    # Attention layers map get_name() back to the enum member that resolves to this class.
+    assert AttentionBackendEnum[FafoFlashAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert FafoFlashAttentionBackend.get_builder_cls() is FafoFlashAttentionBackend.__mro__[1].get_builder_cls()
+
+
+def fake_platform(name: str):
+    return SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: name == "cuda", device_name=name)
+
+
+def test_custom_backend_registered_on_cuda(monkeypatch):
+    from vllm_fafo.patches import attention_backend
+
+    monkeypatch.setattr(attention_backend, "current_platform", fake_platform("cuda"))
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+    try:
+        attention_backend.apply()
+        assert AttentionBackendEnum.CUSTOM.get_class() is FafoFlashAttentionBackend
+    finally:
+        AttentionBackendEnum.CUSTOM.clear_override()
+
+
+def lane_args(model_dir, **kwargs) -> EngineArgs:
+    spec = {"method": "fafo", "num_lanes": 8, **kwargs.pop("spec", {})}
+    return EngineArgs(model=model_dir, speculative_config=spec, **kwargs)
+
+
+def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
+    from vllm_fafo.patches import engine_args
+
+    monkeypatch.setattr(engine_args, "current_platform", fake_platform("cuda"))
+    for chosen in ({}, {"attention_backend": "FLASH_ATTN"}, {"attention_config": {"backend": "FLASH_ATTN"}}):
+        args = lane_args(model_dir, **chosen)
+        engine_args.translate_speculative_config(args)
+        assert args.attention_backend is AttentionBackendEnum.CUSTOM
+        assert args.attention_config.backend is None
+        assert args.enforce_eager and args.enable_prefix_caching is False
+    pool_only = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 0})
+    engine_args.translate_speculative_config(pool_only)
+    assert pool_only.attention_backend is None
+
+
+@pytest.mark.parametrize(
+    "platform, kwargs, message",
+    [
+        ("cuda", {"attention_backend": "TRITON_ATTN"}, "attention_backend 'TRITON_ATTN'.*FLASH_ATTN"),
+        ("cuda", {"kv_cache_dtype": "fp8", "spec": {"compression": "quest"}},
+         "compression 'quest' reads vLLM's paged KV cache.*kv_cache_dtype 'auto', got 'fp8'"),
+        ("rocm", {}, "on rocm set num_lanes to 0"),
+    ],
+)
+def test_lane_configs_without_lane_attention_are_refused(model_dir, monkeypatch, platform, kwargs, message):
+    from vllm_fafo.patches import engine_args
+
+    monkeypatch.setattr(engine_args, "current_platform", fake_platform(platform))
+    with pytest.raises(FafoConfigError, match=message):
+        engine_args.translate_speculative_config(lane_args(model_dir, **kwargs))

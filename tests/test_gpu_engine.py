@@ -1,0 +1,77 @@
+"""FAFO lanes on CUDA (FlashAttention + lanes as the CUSTOM backend): GPU only.
+
+Skipped without a CUDA device, so CI (CPU) never runs it; on a GPU machine:
+``python -m pytest -m gpu tests``. FlashAttention has no fp32, so both
+engines run bf16 with vLLM's batch-invariant mode on (VLLM_BATCH_INVARIANT=1):
+a step's extra tail tokens must then change no real token's numerics, and
+any differing token is a lane bug, not rounding.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from vllm_fafo.metrics import collect_metrics
+
+from .engine_utils import (
+    assert_concurrent_identical,
+    chat_prompts,
+    assert_same_tokens,
+    generate_one_by_one,
+    greedy,
+    make_llm,
+    token_ids,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPU_KWARGS = dict(dtype="bfloat16", kv_cache_memory_bytes=2 * 1024**3)
+
+
+@pytest.fixture(scope="module")
+def batch_invariant():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_BATCH_INVARIANT", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def gpu_plain_llm(model_dir, batch_invariant):
+    return make_llm(model_dir, None, **GPU_KWARGS)
+
+
+@pytest.fixture(scope="module", params=["streaming", "quest"])
+def gpu_lanes_llm(request, model_dir, batch_invariant):
+    spec = {"method": "fafo", "compression": request.param, "kv_budget": 64, "sink_tokens": 4}
+    return make_llm(model_dir, spec, **GPU_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def gpu_prompts(gpu_plain_llm):
+    from vllm_fafo.assets import load_prompts
+
+    return chat_prompts(gpu_plain_llm, load_prompts("mtbench", 10))
+
+
+def test_lanes_run_on_the_flash_attention_wrapper(gpu_lanes_llm):
+    config = gpu_lanes_llm.llm_engine.vllm_config
+    assert config.attention_config.backend.name == "CUSTOM"
+
+
+def test_batch1_identical_to_plain_and_lane_ngrams_accepted(gpu_plain_llm, gpu_lanes_llm, gpu_prompts):
+    prompts = gpu_prompts
+    expected = token_ids(generate_one_by_one(gpu_plain_llm, prompts, greedy(128)))
+    before = collect_metrics(gpu_lanes_llm)
+    got = token_ids(generate_one_by_one(gpu_lanes_llm, prompts, greedy(128)))
+    assert_same_tokens(expected, got)
+    after = collect_metrics(gpu_lanes_llm)
+    assert after["accepted_tokens"]["lane"] > before["accepted_tokens"]["lane"]
+
+
+def test_concurrent_requests_identical_to_plain(gpu_plain_llm, gpu_lanes_llm, gpu_prompts):
+    assert_concurrent_identical(gpu_plain_llm, gpu_lanes_llm, gpu_prompts[:6], first_len=48)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 
+from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -40,6 +41,12 @@ def translate_speculative_config(args: EngineArgs) -> None:
     config = parse_speculative_config(args.speculative_config)
     if config is None:
         return
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise FafoConfigError(
+            f"speculative_config method {config.method!r} runs on vLLM's V1 model runner "
+            "(vllm_fafo.patches wrap GPUModelRunner), but VLLM_USE_V2_MODEL_RUNNER=1 asks "
+            "for V2; unset it (vLLM then picks V1 for custom proposers)"
+        )
     args.speculative_config = {
         "method": "custom_class",
         "model": PROPOSER_CLASS_PATH,

@@ -183,3 +183,13 @@ def test_lane_configs_without_lane_attention_are_refused(model_dir, monkeypatch,
     monkeypatch.setattr(engine_args, "current_platform", fake_platform(platform))
     with pytest.raises(FafoConfigError, match=message):
         engine_args.translate_speculative_config(lane_args(model_dir, **kwargs))
+
+
+def test_model_runner_v2_is_refused(model_dir, monkeypatch):
+    """The patches wrap the V1 GPUModelRunner, which vLLM picks for custom proposers
+    on CUDA unless VLLM_USE_V2_MODEL_RUNNER=1 forces V2."""
+    from vllm_fafo.patches import engine_args
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(FafoConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        engine_args.translate_speculative_config(lane_args(model_dir))

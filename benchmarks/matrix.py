@@ -87,7 +87,8 @@ def cell_path(out: Path, label: str, dataset: str, batch_size: int) -> Path:
 
 
 def run_method_cells(args: argparse.Namespace) -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # peak memory is this process's
+    import torch
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -156,6 +157,8 @@ def run_method_cells(args: argparse.Namespace) -> None:
             "ms_per_step": 1000 * seconds / (tokens - accepted) if batch_size == 1 else None,
             "tokens_per_s": tokens / seconds, "tail_tokens_per_step": (tail_after - tail_before) / steps if steps else 0.0,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            # The engine runs in this process (no multiprocessing): its CUDA allocations are ours.
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
             "token_ids": token_ids,
         }
         path = cell_path(out, label, dataset, batch_size)
@@ -201,8 +204,8 @@ def markdown_table(rows: list[dict], machine: str) -> str:
         " this machine's.",
         "",
         "| dataset | batch | method | tau | tokens/s | ms/step | speedup vs none | speedup vs ngram"
-        " | tail tok/step | peak RSS MiB | identical to none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | tail tok/step | peak RSS MiB | peak GPU MiB | identical to none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         same = "n/a" if r["identical_to_none"] is None else ("yes" if r["identical_to_none"] else "NO")
@@ -210,7 +213,7 @@ def markdown_table(rows: list[dict], machine: str) -> str:
             f"| {r['dataset']} | {r['batch_size']} | {r['method']} | {r['tau']:.3f} "
             f"| {r['tokens_per_s']:.1f} | {fmt(r.get('ms_per_step'), '.1f')} | {fmt(r['speedup_vs_none'])} "
             f"| {fmt(r['speedup_vs_ngram'])} | {r['tail_tokens_per_step']:.1f} "
-            f"| {r['peak_rss_mib']:.0f} | {same} |"
+            f"| {r['peak_rss_mib']:.0f} | {fmt(r.get('peak_gpu_mib'), '.0f')} | {same} |"
         )
     return "\n".join(lines) + "\n"
 

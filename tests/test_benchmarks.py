@@ -66,3 +66,31 @@ def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
         assert row["ms_per_step"] > 0
     fafo = next(r for r in rows if r["method"] == "fafo")
     assert fafo["tail_tokens_per_step"] > 0
+
+
+def test_projection_combines_tau_and_step_cost(tmp_path):
+    def write(name, rows):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"rows": rows}))
+        return run
+
+    tau = write("tau", [
+        {"dataset": "mtbench", "method": "none", "batch_size": 1, "tau": 1.0},
+        {"dataset": "mtbench", "method": "fafo", "batch_size": 1, "tau": 2.2},
+        {"dataset": "mtbench", "method": "ngram", "batch_size": 1, "tau": 1.6},  # no cost cell
+        {"dataset": "mtbench", "method": "fafo", "batch_size": 4, "tau": 1.9},  # not batch 1
+    ])
+    cost = write("cost", [
+        {"dataset": "mtbench", "method": "none", "batch_size": 1, "ms_per_step": 10.0},
+        {"dataset": "humaneval", "method": "none", "batch_size": 1, "ms_per_step": 12.0},
+        {"dataset": "mtbench", "method": "fafo", "batch_size": 1, "ms_per_step": 20.0},
+    ])
+    command = [sys.executable, str(ROOT / "benchmarks" / "projection.py"),
+               "--tau", str(tau), "--cost", str(cost)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+    assert "**Projection**, not a measurement" in out
+    assert "| mtbench | fafo | 2.200 | 20.00 | 1.82x | 1.21x |" in out  # 2.2 * 11 / 20
+    assert "| mtbench | none | 1.000 | 11.00 | 1.00x | 1.00x |" in out
+    assert "ngram" not in out
+    assert (cost / "projection.md").read_text() == out.rstrip("\n") + "\n"

@@ -321,3 +321,21 @@ def test_lanes_shrink_to_fit_the_free_token_slots():
     assert len(ids) == 2 * 3 * 2  # 12 free slots: 3 lanes of 2 tokens per request
     ids, _ = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([7, 7]), [0, 0], 2, 5))
     assert len(ids) == 0 and current_plan() is not None  # no lanes, region still updated
+
+
+def test_batched_lane_attention_equals_one_call_per_request():
+    from vllm_fafo.attention.lane_attention import batched_lane_attention, lane_attention
+
+    gen = torch.Generator().manual_seed(7)
+    rows, slots, lanes, lane_len = 3, 10, 4, 3
+    n = lanes * lane_len
+    q = torch.randn(rows * n, HQ, D, generator=gen)
+    k, v = torch.randn(rows * n, HK, D, generator=gen), torch.randn(rows * n, HK, D, generator=gen)
+    rk, rv = torch.randn(rows, slots, HK, D, generator=gen), torch.randn(rows, slots, HK, D, generator=gen)
+    valid = torch.rand(rows, slots, generator=gen) < 0.6
+    valid[:, 0] = True
+    got = batched_lane_attention(q, k, v, rk, rv, valid, lanes, lane_len, SCALE)
+    for r in range(rows):
+        t = slice(r * n, (r + 1) * n)
+        want = lane_attention(q[t], k[t], v[t], rk[r][valid[r]], rv[r][valid[r]], lanes, lane_len, SCALE)
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)

@@ -126,6 +126,12 @@ class FumbleLanes:
 
         tails, ids, positions = self._layout_tails(batch, decode_rows)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        slot = np.arange(layout.kv_budget)
+        sink_ring_valid = np.array([
+            (slot < layout.sink_valid(r.tail.num_final))
+            | ((slot >= layout.ring_start) & (slot < layout.ring_start + layout.ring_valid(r.tail.num_final)))
+            for r in tails
+        ], dtype=bool).reshape(len(tails), layout.kv_budget)
         plan = StepPlan(
             policy=self.policy,
             max_model_len=self.max_model_len,
@@ -137,6 +143,8 @@ class FumbleLanes:
             new_rows=tuple(new_rows),
             prefill_chunks=tuple(prefill_chunks),
             tails=tuple(record.tail for record in tails),
+            tail_region_rows=as_index([record.tail.region_row for record in tails]),
+            tail_sink_ring_valid=torch.from_numpy(sink_ring_valid).to(self.device),
         )
         self._tails = tails
         set_current_plan(plan if (plan.write_dst.numel() or plan.commit_dst.numel()) else None)

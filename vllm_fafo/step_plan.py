@@ -68,6 +68,17 @@ class StepPlan:
     new_rows: tuple[int, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
     tails: tuple[RequestTail, ...]
+    # Every tail has the same lanes and lane length, and the tails lie back to
+    # back, so the lanes of all requests run as one batched attention call.
+    tail_region_rows: torch.Tensor  # (R,) region row of each tail's request
+    tail_sink_ring_valid: torch.Tensor  # (R, region_slots) bool: filled sink and ring slots
+
+    @property
+    def tail_tokens(self) -> slice:
+        """Batch indices of all tail tokens."""
+        if not self.tails:
+            return slice(0, 0)
+        return slice(self.tails[0].tail_start, self.tails[-1].tail_start + self.tails[-1].num_tokens)
 
     @property
     def region_slots(self) -> int:

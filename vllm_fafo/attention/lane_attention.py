@@ -1,8 +1,10 @@
-"""Lane attention, reference path: torch SDPA with an explicit boolean mask.
+"""Lane attention: torch SDPA with an explicit boolean mask.
 
 A lane token attends to the request's compressed region (which already
 holds this step's input token x) and to the earlier tokens of its own lane,
-never to drafts, other lanes or other requests.
+never to drafts, other lanes or other requests. :func:`lane_attention` does
+one request over keys it is given (the ``none`` policy's whole context);
+:func:`batched_lane_attention` does every request's region at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,36 @@ def lane_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
+
+
+def batched_lane_attention(
+    query: torch.Tensor,  # (R * n, Hq, D) the tails of R requests, n tokens each, back to back
+    key: torch.Tensor,  # (R * n, Hk, D)
+    value: torch.Tensor,
+    region_key: torch.Tensor,  # (R, S, Hk, D) each request's region row
+    region_value: torch.Tensor,
+    region_valid: torch.Tensor,  # (R, S) bool: the filled slots of each row
+    active_lanes: int,
+    lane_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output (R * n, Hq, D) of all requests' lane tokens in one call.
+
+    One SDPA call per layer whatever the batch, instead of one per request:
+    on a GPU every call is several kernel launches. The region rows are fixed
+    size, so the only padding is the row's unfilled slots, masked out.
+    """
+    rows, slots = region_valid.shape
+    n = active_lanes * lane_len
+    q = query.view(rows, n, *query.shape[1:]).transpose(1, 2)  # (R, Hq, n, D)
+    keys = torch.cat([region_key, key.view(rows, n, *key.shape[1:])], dim=1).transpose(1, 2)
+    values = torch.cat([region_value, value.view(rows, n, *value.shape[1:])], dim=1).transpose(1, 2)
+    own = _own_lane_mask(active_lanes, lane_len, query.device)
+    mask = torch.cat(
+        [region_valid[:, None, :].expand(rows, n, slots), own.expand(rows, n, n)], dim=2
+    )[:, None]  # (R, 1, n, S + n), the same for every head
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(rows * n, *query.shape[1:])
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from vllm_fafo.attention.lane_attention import lane_attention
+from vllm_fafo.attention.lane_attention import batched_lane_attention, lane_attention
 from vllm_fafo.compression.base import LaneStep, LayerShape, PagedKV, RegionLayout
-from vllm_fafo.step_plan import RequestTail, StepPlan
+from vllm_fafo.step_plan import StepPlan
 
 
 @dataclass
@@ -67,27 +67,41 @@ class CompressedRegion:
             selection = policy.select(self.policy_state, step, kv)
             if selection is not None:
                 self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
-            if policy.attends_full_cache:
-                final = torch.arange(tail.num_final, device=query.device)
-                region_key, region_value = kv.read(tail.batch_row, final)
-            else:
-                region_key, region_value = self.valid_view(policy.layout, tail)
+        if not plan.tails:
+            return
+        if policy.attends_full_cache:
+            self._full_cache_lanes(plan, query, key, value, output, scale, kv)
+            return
+        tails = plan.tail_tokens
+        rows = plan.tail_region_rows
+        shape = (-1, self.slots, *self.key.shape[1:])
+        output[tails] = batched_lane_attention(
+            query[tails], key[tails], value[tails],
+            self.key.view(shape).index_select(0, rows), self.value.view(shape).index_select(0, rows),
+            self._valid_slots(plan), plan.tails[0].active_lanes, plan.tails[0].lane_len, scale,
+        ).to(output.dtype)
+
+    def _valid_slots(self, plan: StepPlan) -> torch.Tensor:
+        """(R, slots) filled slots of the tails' rows: sinks and ring (planned), selected (this layer's)."""
+        layout = plan.policy.layout
+        if layout.selected_slots == 0:
+            return plan.tail_sink_ring_valid
+        device = plan.tail_sink_ring_valid.device
+        counts = torch.tensor([self.selected_count[t.region_row] for t in plan.tails], device=device)
+        slot = torch.arange(self.slots, device=device)
+        selected = (slot >= layout.sink_tokens) & (slot < layout.sink_tokens + counts[:, None])
+        return plan.tail_sink_ring_valid | selected
+
+    def _full_cache_lanes(self, plan, query, key, value, output, scale, kv: PagedKV) -> None:
+        """The ``none`` policy: each request's lanes see its whole context, read from the paged cache."""
+        for tail in plan.tails:
+            tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
+            final = torch.arange(tail.num_final, device=query.device)
+            region_key, region_value = kv.read(tail.batch_row, final)
             output[tail_rows] = lane_attention(
                 query[tail_rows], key[tail_rows], value[tail_rows], region_key, region_value,
                 tail.active_lanes, tail.lane_len, scale,
             ).to(output.dtype)
-
-    def valid_view(self, layout: RegionLayout, tail: RequestTail) -> tuple[torch.Tensor, torch.Tensor]:
-        """The filled slots of a row: sinks, selected tokens, ring."""
-        first = tail.region_row * self.slots
-        parts = [
-            (first, first + layout.sink_valid(tail.num_final)),
-            (first + layout.sink_tokens, first + layout.sink_tokens + self.selected_count[tail.region_row]),
-            (first + layout.ring_start, first + layout.ring_start + layout.ring_valid(tail.num_final)),
-        ]
-        keys = torch.cat([self.key[a:b] for a, b in parts])
-        values = torch.cat([self.value[a:b] for a, b in parts])
-        return keys, values
 
     def _write_selected(self, layout: RegionLayout, row: int, key: torch.Tensor, value: torch.Tensor) -> None:
         count = key.shape[0]

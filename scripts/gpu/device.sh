@@ -10,8 +10,8 @@
 #   test      the GPU engine tests (pytest -m gpu), log to $OUT
 #   bench     the benchmark matrix on SmolLM2 (bf16), the per-step cost on the
 #             Llama-3-8B shape with random weights, and the projection that
-#             combines them (benchmarks/projection.py); summaries to $OUT
-#             (7 files: $OUT takes at most 8)
+#             combines them (benchmarks/projection.py), and the lane attention
+#             cost; summaries to $OUT (8 files: $OUT takes at most 8)
 set -euo pipefail
 ROOT=/tmp/fafo-gpu
 export PYTHONPATH=$ROOT/site
@@ -55,6 +55,7 @@ bench() {
     python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 16384 --shape llama3-8b \
         --methods none,ngram,fafo --num-prompts 5 --max-tokens 128 --out "$ROOT/results/llama3_8b_shape"
     python3 benchmarks/projection.py --tau "$ROOT/results/smollm2" --cost "$ROOT/results/llama3_8b_shape"
+    python3 benchmarks/lane_attention_cost.py > "$OUT/lane_attention_cost.md"
     cp "$ROOT"/results/smollm2/summary.* "$ROOT"/results/smollm2/tau_speedup_by_dataset.png "$OUT/smollm2/"
     cp "$ROOT"/results/llama3_8b_shape/summary.* "$ROOT"/results/llama3_8b_shape/projection.md "$OUT/llama3_8b_shape/"
 }

@@ -82,6 +82,10 @@ def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
         args.enable_prefix_caching = False
 
 
+# Attention backends lanes wrap on CUDA: vLLM's choice (None), FlashAttention, or ours.
+LANE_BASE_BACKENDS = (None, "FLASH_ATTN", "CUSTOM")
+
+
 def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
     """CPU: the CPU_ATTN wrapper is always in place. CUDA: select CUSTOM (FlashAttention + lanes)."""
     if current_platform.is_cpu():
@@ -108,9 +112,6 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
     args.attention_config = copy.deepcopy(args.attention_config)
     args.attention_config.backend = None
     args.attention_backend = AttentionBackendEnum.CUSTOM
-
-
-LANE_BASE_BACKENDS = (None, "FLASH_ATTN", "CUSTOM")
 
 
 def _backend_name(backend: AttentionBackendEnum | str | None) -> str | None:

@@ -33,12 +33,12 @@ BLOCK_SIZE = 16
 MAX_POSITIONS = 600  # test_region's requests hold this many true positions
 
 
-def flash_cache(num_blocks: int, layout: KVCacheLayout) -> torch.Tensor:
+def flash_cache(num_blocks: int, layout: KVCacheLayout, dtype=torch.float32) -> torch.Tensor:
     """A per-layer cache as vLLM hands it to FlashAttention: a logical
     [blocks, Hk, block_size, 2D] view over memory in ``layout``'s order."""
     logical = (num_blocks, HK, BLOCK_SIZE, 2 * D)
     order = layout.layer_view_order
-    physical = torch.zeros([logical[i] for i in order])
+    physical = torch.zeros([logical[i] for i in order], dtype=dtype)
     return physical.permute(*[order.index(i) for i in range(4)])
 
 
@@ -54,13 +54,13 @@ def write_like_flash(kv_cache, block_table, row, positions, key, value) -> None:
 class FlashWrapperLayer:
     """One attention layer run through FafoFlashAttentionImpl.forward."""
 
-    def __init__(self, requests, layout: KVCacheLayout, seed: int):
+    def __init__(self, requests, layout: KVCacheLayout, seed: int, dtype=torch.float32):
         per_request = MAX_POSITIONS // BLOCK_SIZE + 1
         num_blocks = per_request * len(requests) + 3
         gen = torch.Generator().manual_seed(seed)
         self.block_table = torch.randperm(num_blocks, generator=gen)[: per_request * len(requests)]
         self.block_table = self.block_table.view(len(requests), per_request).to(torch.int32)
-        self.kv_cache = flash_cache(num_blocks, layout)
+        self.kv_cache = flash_cache(num_blocks, layout, dtype)
         self.impl = FafoFlashAttentionImpl(HQ, D, SCALE, HK, None, None, "auto")
 
     @property
@@ -121,6 +121,24 @@ def test_flash_wrapper_matches_dense_reference(policy, layout, no_flash_kernel):
     assert checked > 0
     assert policy.name == "streaming" or any(chosen for chosen in selected.values())
     assert layer.impl._layout_checked == policy.reads_paged_kv
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        StreamingPolicy(2, 16, StreamingPolicy.Settings()),
+        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=2, recent_tokens=8)),
+        SnapKVPolicy(2, 24, SnapKVSettings(window=4, kernel=3, recent_tokens=8)),
+    ],
+    ids=lambda p: p.name,
+)
+def test_flash_wrapper_in_bfloat16(policy, no_flash_kernel):
+    """FlashAttention runs 16-bit: the region, cache reads and policies in bf16."""
+    requests = [Request(f"r{i}", n, seed=40 + i) for i, n in enumerate([9, 45, 23])]
+    layer = FlashWrapperLayer(requests, KVCacheLayout.LBNHC, seed=8, dtype=torch.bfloat16)
+    checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2,
+                                max_drafts=4, steps=20, seed=9, layer=layer, dtype=torch.bfloat16)
+    assert checked > 0 and layer.region.key.dtype == torch.bfloat16
 
 
 def test_flash_wrapper_is_flash_attention_with_lanes():

@@ -1,7 +1,7 @@
 """FAFO lanes on CUDA (FlashAttention + lanes as the CUSTOM backend): GPU only.
 
 Skipped without a CUDA device, so CI (CPU) never runs it; on a GPU machine:
-``python -m pytest -m gpu tests``. FlashAttention has no fp32, so both
+``python -m pytest tests/test_gpu_engine.py``. FlashAttention has no fp32, so both
 engines run bf16 with vLLM's batch-invariant mode on (VLLM_BATCH_INVARIANT=1):
 a step's extra tail tokens must then change no real token's numerics, and
 any differing token is a lane bug, not rounding.

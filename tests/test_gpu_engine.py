@@ -47,10 +47,16 @@ def gpu_plain_llm(model_dir, batch_invariant):
     return make_llm(model_dir, None, **GPU_KWARGS)
 
 
-@pytest.fixture(scope="module", params=["streaming", "quest"])
+LANE_SPECS = {
+    "streaming": {"method": "fafo", "compression": "streaming", "kv_budget": 64, "sink_tokens": 4},
+    "quest": {"method": "fafo", "compression": "quest", "kv_budget": 64, "sink_tokens": 4},
+    "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
+}
+
+
+@pytest.fixture(scope="module", params=list(LANE_SPECS))
 def gpu_lanes_llm(request, model_dir, batch_invariant):
-    spec = {"method": "fafo", "compression": request.param, "kv_budget": 64, "sink_tokens": 4}
-    return make_llm(model_dir, spec, **GPU_KWARGS)
+    return make_llm(model_dir, LANE_SPECS[request.param], **GPU_KWARGS)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_fafo.attention.region import CompressedRegion
-from vllm_fafo.compression import QuestPolicy, SnapKVPolicy, StreamingPolicy
+from vllm_fafo.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
 from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.compression.quest import QuestSettings
 from vllm_fafo.compression.snapkv import SnapKVSettings
@@ -244,7 +244,10 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
                     slot = base + layout.sink_tokens + i
                     torch.testing.assert_close(region.key[slot, kv].float(), req.true_k[p, kv], rtol=0, atol=0)
             if tail is not None:
-                visible = [set(ring_and_sink.values()) | set(chosen[kv] if chosen else ()) for kv in range(HK)]
+                if policy.attends_full_cache:  # lanes read the whole context from the paged cache
+                    visible = [set(range(last + 1)) for _ in range(HK)]
+                else:
+                    visible = [set(ring_and_sink.values()) | set(chosen[kv] if chosen else ()) for kv in range(HK)]
                 lane_allowed = [
                     [j for j in range(tail.num_tokens)
                      if j % tail.active_lanes == i % tail.active_lanes
@@ -311,6 +314,15 @@ def test_snapkv_region_matches_dense_reference(sink, budget, settings, prompt_le
     checked, selected = run_simulation(policy, requests, chunk, num_lanes=3, lane_len=2,
                                        max_drafts=4, steps=20, seed=4)
     assert checked > 0 and any(chosen for chosen in selected.values())
+
+
+def test_full_cache_lanes_match_dense_reference():
+    """The ``none`` policy (Lookahead mode): lanes see every final position, read from the cache."""
+    policy = FullCachePolicy(4, 256, FullCachePolicy.Settings())
+    requests = [Request(f"r{i}", n, seed=50 + i) for i, n in enumerate([9, 40, 23])]
+    checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2,
+                                max_drafts=4, steps=20, seed=11)
+    assert checked > 0
 
 
 def test_lanes_shrink_to_fit_the_free_token_slots():

@@ -63,6 +63,16 @@ def test_snapkv_votes_match_loop_reference(hq, hk, kernel):
         torch.testing.assert_close(got[kv], pooled, rtol=1e-5, atol=1e-6)
 
 
+def assert_reader_returns(reader, batch_row, key, value, per_head):
+    """The reader gives back ``key``/``value`` (positions 0..n-1), all heads and per KV head."""
+    got_key, got_value = reader.read(batch_row, torch.arange(key.shape[0]))
+    assert torch.equal(got_key, key) and torch.equal(got_value, value)
+    got_key, got_value = reader.read(batch_row, per_head)
+    for h in range(key.shape[1]):
+        assert torch.equal(got_key[:, h], key[per_head[h], h])
+        assert torch.equal(got_value[:, h], value[per_head[h], h])
+
+
 def test_paged_kv_reader_matches_vllm_cache_writer():
     from vllm import _custom_ops as ops
 
@@ -79,13 +89,7 @@ def test_paged_kv_reader_matches_vllm_cache_writer():
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec",
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     reader = CPUPagedKV(kv_cache, block_table, "vec")
-    got_key, got_value = reader.read(1, positions)
-    assert torch.equal(got_key, key) and torch.equal(got_value, value)
-    per_head = torch.tensor([[3, 80, 7], [1, 2, 89]])
-    got_key, got_value = reader.read(1, per_head)
-    for h in range(hk):
-        assert torch.equal(got_key[:, h], key[per_head[h], h])
-        assert torch.equal(got_value[:, h], value[per_head[h], h])
+    assert_reader_returns(reader, 1, key, value, torch.tensor([[3, 80, 7], [1, 2, 89]]))
     reader.check(1, positions[:5], key[:5], value[:5])
     with pytest.raises(RuntimeError, match="layout changed"):
         reader.check(0, positions[:5], key[:5], value[:5])

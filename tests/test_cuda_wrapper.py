@@ -20,6 +20,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from tests.test_compression import assert_reader_returns
 from tests.test_region import D, HK, HQ, SCALE, Request, run_simulation
 from vllm_fafo.attention.cuda import FafoFlashAttentionBackend, FafoFlashAttentionImpl
 from vllm_fafo.attention.lane_impl import LaneAttentionMixin
@@ -92,13 +93,7 @@ def test_logical_reader_reads_what_flash_attention_wrote(layout):
     positions = torch.arange(n)
     write_like_flash(kv_cache, block_table, 1, positions, key, value)
     reader = LogicalPagedKV(kv_cache, block_table)
-    got_key, got_value = reader.read(1, positions)
-    assert torch.equal(got_key, key) and torch.equal(got_value, value)
-    per_head = torch.tensor([[3, 49, 17], [0, 16, 33]])
-    got_key, got_value = reader.read(1, per_head)
-    for h in range(HK):
-        assert torch.equal(got_key[:, h], key[per_head[h], h])
-        assert torch.equal(got_value[:, h], value[per_head[h], h])
+    assert_reader_returns(reader, 1, key, value, torch.tensor([[3, 49, 17], [0, 16, 33]]))
     with pytest.raises(PagedKVLayoutError, match="LogicalPagedKV"):
         reader.check(0, positions[:5], key[:5], value[:5])
 

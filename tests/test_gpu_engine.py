@@ -27,7 +27,11 @@ from .engine_utils import (
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (FlashAttention has no CPU kernel); CI is CPU-only and runs the "
+        "same lane code through the CPU engine tests and tests/test_cuda_wrapper.py",
+    ),
 ]
 
 # Two engines live at once (plain and one lane configuration); vLLM refuses to start

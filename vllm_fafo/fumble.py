@@ -126,12 +126,9 @@ class FumbleLanes:
 
         tails, ids, positions = self._layout_tails(batch, decode_rows)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        slot = np.arange(layout.kv_budget)
-        sink_ring_valid = np.array([
-            (slot < layout.sink_valid(r.tail.num_final))
-            | ((slot >= layout.ring_start) & (slot < layout.ring_start + layout.ring_valid(r.tail.num_final)))
-            for r in tails
-        ], dtype=bool).reshape(len(tails), layout.kv_budget)
+        sink_ring_valid = np.zeros((len(tails), layout.kv_budget), dtype=bool)
+        for i, record in enumerate(tails):
+            sink_ring_valid[i] = layout.filled_sink_and_ring(record.tail.num_final)
         plan = StepPlan(
             policy=self.policy,
             max_model_len=self.max_model_len,

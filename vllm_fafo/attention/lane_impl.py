@@ -11,6 +11,8 @@ wrapper is exactly the base backend.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from vllm.v1.attention.backend import AttentionType
@@ -21,7 +23,7 @@ from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.step_plan import StepPlan, current_plan
 
 
-class LaneAttentionMixin:
+class LaneAttentionMixin(ABC):
     """Runs the base impl, then maintains the region and runs the lanes."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -29,9 +31,9 @@ class LaneAttentionMixin:
         self.region: CompressedRegion | None = None
         self._layout_checked = False
 
+    @abstractmethod
     def paged_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> PagedKVReader:
         """A reader of this layer's paged cache in the base backend's layout."""
-        raise NotImplementedError
 
     def forward(
         self,

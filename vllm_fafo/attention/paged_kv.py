@@ -20,6 +20,8 @@ so a layout change fails loudly instead of feeding lanes garbage.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 VERIFIED_CPU_ISAS = ("vec", "vec16")
@@ -29,11 +31,10 @@ class PagedKVLayoutError(RuntimeError):
     """The paged KV cache is not laid out as this reader assumes."""
 
 
-class PagedKVReader:
+class PagedKVReader(ABC):
     """:class:`vllm_fafo.compression.base.PagedKV` over one layer's cache.
 
-    Subclasses say how to gather (block, head, offset) triples, (Hk, n) each,
-    into keys and values (Hk, n, D) each.
+    Subclasses say how to gather from their backend's layout.
     """
 
     def __init__(self, block_table: torch.Tensor, block_size: int, num_kv_heads: int) -> None:
@@ -49,8 +50,9 @@ class PagedKVReader:
         keys, values = self._gather(blocks, heads, offsets)  # (Hk, n, D) each
         return keys.transpose(0, 1), values.transpose(0, 1)
 
+    @abstractmethod
     def _gather(self, blocks, heads, offsets) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Keys and values (Hk, n, D) at (block, head, offset) triples, (Hk, n) each."""
 
     def check(self, batch_row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise unless the cache returns ``key``/``value`` (n, Hk, D) at ``positions``."""

@@ -28,7 +28,7 @@ class CompressedRegion:
     staged_value: torch.Tensor
     slots: int
     policy_state: Any
-    selected_count: list[int]  # filled slots of each row's selected part
+    selected_count: torch.Tensor  # (rows,) filled slots of each row's selected part, on the device
 
     @classmethod
     def allocate(cls, plan: StepPlan, shape: LayerShape) -> CompressedRegion:
@@ -38,7 +38,8 @@ class CompressedRegion:
         make = lambda size: torch.zeros(size, dtype=shape.dtype, device=shape.device)  # noqa: E731
         return cls(
             make(region), make(region), make(staged), make(staged), plan.region_slots,
-            plan.policy.new_layer_state(shape), [0] * plan.region_rows,
+            plan.policy.new_layer_state(shape),
+            torch.zeros(plan.region_rows, dtype=torch.long, device=shape.device),
         )
 
     def run_step(
@@ -61,12 +62,13 @@ class CompressedRegion:
             policy.observe_prefill(
                 self.policy_state, chunk.region_row, chunk.first_pos, query[chunk.start : chunk.end]
             )
-        for tail in plan.tails:
-            tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
-            step = LaneStep(tail.region_row, tail.batch_row, tail.num_final, query[tail_rows], scale)
-            selection = policy.select(self.policy_state, step, kv)
-            if selection is not None:
-                self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
+        if policy.layout.selected_slots:  # a layout without selected slots has nothing to select
+            for tail in plan.tails:
+                tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
+                step = LaneStep(tail.region_row, tail.batch_row, tail.num_final, query[tail_rows], scale)
+                selection = policy.select(self.policy_state, step, kv)
+                if selection is not None:
+                    self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
         if not plan.tails:
             return
         if policy.attends_full_cache:
@@ -86,9 +88,8 @@ class CompressedRegion:
         layout = plan.policy.layout
         if layout.selected_slots == 0:
             return plan.tail_sink_ring_valid
-        device = plan.tail_sink_ring_valid.device
-        counts = torch.tensor([self.selected_count[t.region_row] for t in plan.tails], device=device)
-        slot = torch.arange(self.slots, device=device)
+        counts = self.selected_count.index_select(0, plan.tail_region_rows)
+        slot = torch.arange(self.slots, device=counts.device)
         selected = (slot >= layout.sink_tokens) & (slot < layout.sink_tokens + counts[:, None])
         return plan.tail_sink_ring_valid | selected
 

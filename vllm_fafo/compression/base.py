@@ -100,6 +100,12 @@ class RegionLayout:
         ring = self.ring_start + (positions - self.sink_tokens) % self.ring_slots
         return np.where(positions < self.sink_tokens, positions, ring)
 
+    def filled_sink_and_ring(self, num_tokens: int) -> np.ndarray:
+        """(kv_budget,) bool: the sink and ring slots holding a token once 0..num_tokens-1 are written."""
+        slot = np.arange(self.kv_budget)
+        ring_end = self.ring_start + self.ring_valid(num_tokens)
+        return (slot < self.sink_valid(num_tokens)) | ((slot >= self.ring_start) & (slot < ring_end))
+
     def sink_valid(self, num_tokens: int) -> int:
         return min(num_tokens, self.sink_tokens)
 
@@ -163,7 +169,9 @@ class CompressionPolicy:
         """Queries (n, Hq, D) of a prefill chunk starting at ``first_pos``."""
 
     def select(self, state: Any, step: LaneStep, kv: PagedKV) -> Selection | None:
-        """New selected content for ``step.row``, or None to keep what it has."""
+        """New selected content for ``step.row``, or None to keep what it has.
+
+        Called every lane step, only for layouts with selected slots."""
         return None
 
 

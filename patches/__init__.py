@@ -16,10 +16,13 @@ def apply_all() -> None:
     global _applied
     if _applied:
         return
-    from vllm_fafo.patches import attention_backend, engine_args, model_runner, tail
+    from vllm_fafo.patches import (
+        attention_backend, cpu_sampling, engine_args, model_runner, tail,
+    )
 
     engine_args.apply()
     model_runner.apply()
     tail.apply()
     attention_backend.apply()
+    cpu_sampling.apply()
     _applied = True

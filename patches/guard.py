@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 
 class PatchTargetChanged(RuntimeError):
     """The vLLM function a patch wraps moved or changed its parameters."""
 
 
-def require_signature(owner: type, name: str, params: Sequence[str]) -> Callable:
-    """Return ``owner.name`` after checking its leading parameter names."""
+def require_signature(owner: type | ModuleType, name: str, params: Sequence[str]) -> Callable:
+    """Return ``owner.name`` (a class's method or a module's function) after
+    checking its leading parameter names."""
     target = getattr(owner, name, None)
-    where = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    if isinstance(owner, ModuleType):
+        where = f"{owner.__name__}.{name}"
+    else:
+        where = f"{owner.__module__}.{owner.__qualname__}.{name}"
     if target is None:
         raise PatchTargetChanged(f"vllm-fafo patches {where}, which no longer exists")
     found = list(inspect.signature(target).parameters)[: len(params)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from importlib.metadata import entry_points
 
 import pytest
@@ -71,6 +72,24 @@ def test_patch_guard_fails_loudly_when_vllm_changes():
         require_signature(Runner, "_update_states", ["self", "scheduler_output"])
     with pytest.raises(PatchTargetChanged, match="no longer exists"):
         require_signature(Runner, "propose_draft_token_ids", ["self"])
+
+
+def test_patch_guard_names_module_functions():
+    module = types.ModuleType("vllm.fake_utils")
+    module._expand_kernel_impl = lambda output, input_val: None
+    require_signature(module, "_expand_kernel_impl", ["output", "input_val"])
+    with pytest.raises(PatchTargetChanged, match=r"vllm\.fake_utils\._expand_kernel_impl expecting"):
+        require_signature(module, "_expand_kernel_impl", ["output", "input"])
+
+
+def test_cpu_sampling_patch_refuses_to_load_after_vllm_registered_its_kernels(monkeypatch):
+    from vllm.triton_utils import dispatcher
+
+    from vllm_fafo.patches import cpu_sampling
+
+    monkeypatch.setitem(dispatcher._registry, cpu_sampling.EXPAND_KERNEL, (None, None))
+    with pytest.raises(PatchTargetChanged, match="before the vllm-fafo plugin loaded"):
+        cpu_sampling.apply()
 
 
 def test_bad_config_fails_before_the_model_loads(model_dir):

@@ -9,7 +9,6 @@ any differing token is a lane bug, not rounding.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -17,8 +16,8 @@ from vllm_fafo.metrics import collect_metrics
 
 from .engine_utils import (
     assert_concurrent_identical,
-    chat_prompts,
     assert_same_tokens,
+    chat_prompts,
     generate_one_by_one,
     greedy,
     make_llm,

@@ -126,9 +126,7 @@ class FumbleLanes:
 
         tails, ids, positions = self._layout_tails(batch, decode_rows)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        sink_ring_valid = np.zeros((len(tails), layout.kv_budget), dtype=bool)
-        for i, record in enumerate(tails):
-            sink_ring_valid[i] = layout.filled_sink_and_ring(record.tail.num_final)
+        sink_ring_valid = layout.filled_sink_and_ring([record.tail.num_final for record in tails])
         plan = StepPlan(
             policy=self.policy,
             max_model_len=self.max_model_len,

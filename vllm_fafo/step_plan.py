@@ -32,6 +32,11 @@ class RequestTail:
     def num_tokens(self) -> int:
         return self.active_lanes * self.lane_len
 
+    @property
+    def tokens(self) -> slice:
+        """Batch indices of this request's tail tokens."""
+        return slice(self.tail_start, self.tail_start + self.num_tokens)
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -78,7 +83,7 @@ class StepPlan:
         """Batch indices of all tail tokens."""
         if not self.tails:
             return slice(0, 0)
-        return slice(self.tails[0].tail_start, self.tails[-1].tail_start + self.tails[-1].num_tokens)
+        return slice(self.tails[0].tokens.start, self.tails[-1].tokens.stop)
 
     @property
     def region_slots(self) -> int:

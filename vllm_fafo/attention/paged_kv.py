@@ -84,6 +84,13 @@ class CPUPagedKV(PagedKVReader):
     def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, isa: str) -> None:
         num_blocks, num_kv_heads, block_size, twice_dim = kv_cache.shape
         super().__init__(block_table, block_size, num_kv_heads)
+        if isa not in VERIFIED_CPU_ISAS:
+            raise PagedKVLayoutError(
+                f"vllm-fafo reads the paged KV cache for this compression policy, but "
+                f"the CPU attention ISA {isa!r} packs keys in a layout it has not "
+                f"been checked against (checked: {', '.join(VERIFIED_CPU_ISAS)}); use "
+                "compression 'streaming', which never reads it"
+            )
         if not kv_cache.is_contiguous():
             raise PagedKVLayoutError("vllm-fafo expects a contiguous CPU paged KV cache")
         dim = twice_dim // 2
@@ -97,14 +104,6 @@ class CPUPagedKV(PagedKVReader):
             (num_blocks, num_kv_heads, block_size, dim), (block_stride, head_stride, dim, 1),
             kv_cache.storage_offset() + tile,
         )
-        self._isa = isa
 
     def _gather(self, blocks, heads, offsets):
-        if self._isa not in VERIFIED_CPU_ISAS:
-            raise PagedKVLayoutError(
-                f"vllm-fafo reads the paged KV cache for this compression policy, but "
-                f"the CPU attention ISA {self._isa!r} packs keys in a layout it has not "
-                f"been checked against (checked: {', '.join(VERIFIED_CPU_ISAS)}); use "
-                "compression 'streaming', which never reads it"
-            )
         return self._keys[blocks, heads, :, offsets], self._values[blocks, heads, offsets]

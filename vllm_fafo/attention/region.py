@@ -64,8 +64,7 @@ class CompressedRegion:
             )
         if policy.layout.selected_slots:  # a layout without selected slots has nothing to select
             for tail in plan.tails:
-                tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
-                step = LaneStep(tail.region_row, tail.batch_row, tail.num_final, query[tail_rows], scale)
+                step = LaneStep(tail.region_row, tail.batch_row, tail.num_final, query[tail.tokens], scale)
                 selection = policy.select(self.policy_state, step, kv)
                 if selection is not None:
                     self._write_selected(policy.layout, tail.region_row, selection.key, selection.value)
@@ -96,11 +95,11 @@ class CompressedRegion:
     def _full_cache_lanes(self, plan, query, key, value, output, scale, kv: PagedKV) -> None:
         """The ``none`` policy: each request's lanes see its whole context, read from the paged cache."""
         for tail in plan.tails:
-            tail_rows = slice(tail.tail_start, tail.tail_start + tail.num_tokens)
+            rows = tail.tokens
             final = torch.arange(tail.num_final, device=query.device)
             region_key, region_value = kv.read(tail.batch_row, final)
-            output[tail_rows] = lane_attention(
-                query[tail_rows], key[tail_rows], value[tail_rows], region_key, region_value,
+            output[rows] = lane_attention(
+                query[rows], key[rows], value[rows], region_key, region_value,
                 tail.active_lanes, tail.lane_len, scale,
             ).to(output.dtype)
 

@@ -100,17 +100,19 @@ class RegionLayout:
         ring = self.ring_start + (positions - self.sink_tokens) % self.ring_slots
         return np.where(positions < self.sink_tokens, positions, ring)
 
-    def filled_sink_and_ring(self, num_tokens: int) -> np.ndarray:
-        """(kv_budget,) bool: the sink and ring slots holding a token once 0..num_tokens-1 are written."""
+    def filled_sink_and_ring(self, num_tokens: np.ndarray) -> np.ndarray:
+        """(R, kv_budget) bool: the sink and ring slots of R rows holding a token
+        once positions 0..num_tokens[r]-1 of row r are written."""
         slot = np.arange(self.kv_budget)
+        num_tokens = np.asarray(num_tokens)[:, None]
         ring_end = self.ring_start + self.ring_valid(num_tokens)
         return (slot < self.sink_valid(num_tokens)) | ((slot >= self.ring_start) & (slot < ring_end))
 
-    def sink_valid(self, num_tokens: int) -> int:
-        return min(num_tokens, self.sink_tokens)
+    def sink_valid(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        return np.minimum(num_tokens, self.sink_tokens)
 
-    def ring_valid(self, num_tokens: int) -> int:
-        return min(max(num_tokens - self.sink_tokens, 0), self.ring_slots)
+    def ring_valid(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        return np.clip(num_tokens - self.sink_tokens, 0, self.ring_slots)
 
     def oldest_in_ring(self, num_tokens: int) -> int:
         """First position the ring still holds once 0..num_tokens-1 are written."""

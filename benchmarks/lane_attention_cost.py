@@ -55,7 +55,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         hq, hk, d = SHAPES[name]
         for rows in (int(r) for r in args.requests.split(",")):
-            make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+            make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
             q, k, v = make(rows * n, hq, d), make(rows * n, hk, d), make(rows * n, hk, d)
             rk, rv = make(rows, args.kv_budget, hk, d), make(rows, args.kv_budget, hk, d)
             valid = torch.ones(rows, args.kv_budget, dtype=torch.bool, device=device)

@@ -183,7 +183,7 @@ def summarize(args: argparse.Namespace, labels: list[str]) -> list[dict]:
                 for label in labels
             }
             plain, ngram = cells.get("none"), cells.get("ngram")
-            for label, cell in cells.items():
+            for cell in cells.values():
                 row = {k: v for k, v in cell.items() if k != "token_ids"}
                 row["speedup_vs_none"] = (
                     cell["tokens_per_s"] / plain["tokens_per_s"] if plain else None)

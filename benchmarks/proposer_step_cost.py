@@ -32,13 +32,15 @@ def step_cost_us(history_len: int, steps: int, accepted_per_step: int, seed: int
     rng = np.random.default_rng(seed)
     row = rng.integers(0, 1000, size=(1, max_len)).astype(np.int32)
     num_tokens = np.array([history_len], dtype=np.int32)
-    proposer.set_batch_order(["r"])
+    proposer.begin_step((), 0, {})
+    proposer.finish_forward(["r"], None)
     proposer.propose([[int(row[0, history_len - 1])]], num_tokens, row)  # prefill seeding
     start = time.perf_counter()
     for _ in range(steps):
         sampled = [0] * (accepted_per_step + 1)
         num_tokens[0] += len(sampled)
-        proposer.set_batch_order(["r"])
+        proposer.begin_step((), 0, {})
+        proposer.finish_forward(["r"], None)
         proposer.propose([sampled], num_tokens, row)
     return (time.perf_counter() - start) / steps * 1e6
 

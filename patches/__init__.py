@@ -1,28 +1,23 @@
 """Runtime patches of vLLM internals, installed as ``vllm_fafo.patches``.
 
 Each module wraps named vLLM functions of the version in
-``vllm_fafo.plugin.SUPPORTED_VLLM_VERSION`` and checks, before wrapping, that
+:func:`vllm_fafo.version.supported_vllm_version` and checks, before wrapping, that
 they still exist with the parameters it was written against
 (:func:`vllm_fafo.patches.guard.require_signature`).
 """
 
 from __future__ import annotations
 
-_applied = False
-
 
 def apply_all() -> None:
-    """Apply every patch once per process."""
-    global _applied
-    if _applied:
+    """Apply every patch once per process (vLLM calls plugins more than once)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "vllm_fafo_patch", None):
         return
-    from vllm_fafo.patches import (
-        attention_backend, cpu_sampling, engine_args, model_runner, tail,
-    )
+    from vllm_fafo.patches import attention_backend, cpu_sampling, engine_args, gpu_model_runner
 
     engine_args.apply()
-    model_runner.apply()
-    tail.apply()
+    gpu_model_runner.apply()
     attention_backend.apply()
     cpu_sampling.apply()
-    _applied = True

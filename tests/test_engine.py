@@ -14,6 +14,8 @@ from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
 from .engine_utils import (
     ENGINE_MAX_MODEL_LEN as MAX_MODEL_LEN,
+)
+from .engine_utils import (
     assert_same_tokens,
     chat_prompts,
     generate_one_by_one,

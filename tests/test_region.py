@@ -20,7 +20,6 @@ from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.compression.quest import QuestSettings
 from vllm_fafo.compression.snapkv import SnapKVSettings
 from vllm_fafo.fumble import BatchView, FumbleLanes
-from vllm_fafo.step_plan import current_plan
 
 HQ, HK, D = 4, 2, 8
 SCALE = D**-0.5
@@ -144,10 +143,11 @@ class DirectLayer:
         self.requests = requests
         self.region = None
 
+    def allocate(self, policy, rows, staged_slots, dtype):
+        shape = LayerShape(rows, HQ, HK, D, 4096, dtype, torch.device("cpu"))
+        self.region = CompressedRegion.allocate(policy, staged_slots, shape)
+
     def step(self, plan, query, key, value, output, final, writes):
-        if self.region is None:
-            self.region = CompressedRegion.allocate(plan, LayerShape(
-                plan.region_rows, HQ, HK, D, 4096, torch.float32, torch.device("cpu")))
         self.region.run_step(plan, query, key, value, output, SCALE, FakePagedKV(self.requests, final))
 
 
@@ -160,7 +160,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
     lane outputs' arithmetic is at that precision."""
     reference = reference or default_reference(policy)
     layer = layer or DirectLayer(requests)
-    rounded = lambda t: t.to(dtype).float()  # noqa: E731
+    rounded = lambda t: t.to(dtype).float()
     for req in requests:
         req.true_k, req.true_v = rounded(req.true_k), rounded(req.true_v)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -170,6 +170,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
         num_lanes=num_lanes, lane_len=lane_len, max_key_len=3, max_drafts=max_drafts,
         max_model_len=4096, region_rows=len(requests) + 1, policy=policy,
     )
+    layer.allocate(policy, lanes.region_rows, max_drafts, dtype)
     checked_lane_tokens = 0
     lane_steps = {r.req_id: 0 for r in requests}
     selected = {r.req_id: None for r in requests}  # expected positions per KV head
@@ -197,12 +198,12 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             qsl.append(qsl[-1] + len(keys[-1]))
             firsts.append(first)
         num_real = qsl[-1]
-        ids, _ = lanes.plan_step(BatchView(
+        plan = lanes.plan_step(BatchView(
             req_ids=[r.req_id for r in requests], query_start_loc=np.array(qsl),
             num_computed_tokens=np.array(firsts), num_drafts=drafts,
             num_tokens=num_real, capacity=10_000,
         ))
-        plan = current_plan()
+        ids = plan.tail_ids
         key = rounded(torch.cat(keys + [torch.randn(len(ids), HK, D)]))
         value = rounded(torch.cat(values + [torch.randn(len(ids), HK, D)]))
         query = rounded(torch.randn(key.shape[0], HQ, D))
@@ -261,7 +262,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             req.computed = first + size if was_prefilling else first + 1 + accepted
             if was_prefilling and not req.prefilling:
                 lanes.start_lanes(req.req_id, list(range(req.prompt_len)))
-        lanes.consume_tail(torch.zeros(key.shape[0], 5), lambda h: h)  # advance lanes
+        lanes.consume_tail(plan, torch.zeros(key.shape[0], 5), lambda h: h)  # advance lanes
     return checked_lane_tokens, selected
 
 
@@ -334,12 +335,12 @@ def test_lanes_shrink_to_fit_the_free_token_slots():
     lanes.plan_step(BatchView(req_ids, np.array([0, 5, 10]), np.array([0, 0]), [0, 0], 10, 100))
     for r in req_ids:
         lanes.start_lanes(r, [1, 2, 3, 4, 5])
-    ids, _ = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([5, 5]), [0, 0], 2, 100))
-    assert len(ids) == 2 * 8 * 2  # room for all lanes
-    ids, _ = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([6, 6]), [0, 0], 2, 14))
-    assert len(ids) == 2 * 3 * 2  # 12 free slots: 3 lanes of 2 tokens per request
-    ids, _ = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([7, 7]), [0, 0], 2, 5))
-    assert len(ids) == 0 and current_plan() is not None  # no lanes, region still updated
+    plan = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([5, 5]), [0, 0], 2, 100))
+    assert plan.num_tail_tokens == 2 * 8 * 2  # room for all lanes
+    plan = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([6, 6]), [0, 0], 2, 14))
+    assert plan.num_tail_tokens == 2 * 3 * 2  # 12 free slots: 3 lanes of 2 tokens per request
+    plan = lanes.plan_step(BatchView(req_ids, np.array([0, 1, 2]), np.array([7, 7]), [0, 0], 2, 5))
+    assert plan.num_tail_tokens == 0 and plan.has_region_work  # no lanes, region still updated
 
 
 def test_batched_lane_attention_equals_one_call_per_request():

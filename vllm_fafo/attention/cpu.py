@@ -7,7 +7,6 @@ platform honours) by ``vllm_fafo.patches.attention_backend``.
 from __future__ import annotations
 
 import torch
-
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,

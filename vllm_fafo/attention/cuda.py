@@ -11,7 +11,6 @@ builder, KV cache shape and layouts, validation.
 from __future__ import annotations
 
 import torch
-
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 from vllm_fafo.attention.lane_impl import LaneAttentionMixin

@@ -5,8 +5,13 @@ is this mixin placed before vLLM's impl class: the base impl computes the
 real tokens (the tail is padding to it: beyond ``num_actual_tokens``, slot
 mapping -1), then this maintains the layer's compressed region and writes
 the lane tokens' outputs. A wrapper only says how to read its base's paged
-KV cache. Without a step plan (no lanes configured, warm-up, profiling) the
-wrapper is exactly the base backend.
+KV cache. Without a step plan on the forward's attention metadata (no lanes
+configured, warm-up, profiling) the wrapper is exactly the base backend.
+
+The region is allocated when vLLM builds the layer (inside its
+``set_current_vllm_config`` context, during model loading), from the engine's
+:class:`~vllm_fafo.config.RegionSpec`: before vLLM sizes the KV cache, so the
+memory it takes is memory vLLM knows is used.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionType
 
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.attention.region import CompressedRegion
 from vllm_fafo.compression.base import LayerShape
-from vllm_fafo.step_plan import StepPlan, current_plan
+from vllm_fafo.config import RegionSpec
+from vllm_fafo.step_plan import StepPlan, plan_of
 
 
 class LaneAttentionMixin(ABC):
@@ -30,6 +36,23 @@ class LaneAttentionMixin(ABC):
         super().__init__(*args, **kwargs)
         self.region: CompressedRegion | None = None
         self._layout_checked = False
+        vllm_config = get_current_vllm_config_or_none()
+        spec = RegionSpec.from_vllm_config(vllm_config) if vllm_config is not None else None
+        if spec is not None and self.attn_type == AttentionType.DECODER:
+            self.allocate_region(spec, vllm_config.model_config.dtype, vllm_config.device_config.device)
+
+    def allocate_region(self, spec: RegionSpec, dtype: torch.dtype, device: torch.device) -> None:
+        """This layer's region, staging and policy state, for the whole engine life."""
+        shape = LayerShape(
+            rows=spec.rows,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            max_model_len=spec.max_model_len,
+            dtype=dtype,
+            device=torch.device(device),
+        )
+        self.region = CompressedRegion.allocate(spec.policy, spec.staged_slots, shape)
 
     @abstractmethod
     def paged_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> PagedKVReader:
@@ -51,30 +74,23 @@ class LaneAttentionMixin(ABC):
             layer, query, key, value, kv_cache, attn_metadata, output,
             output_scale, output_block_scale,
         )
-        plan = current_plan()
-        if plan is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        plan = plan_of(attn_metadata)
+        if plan is None or self.attn_type != AttentionType.DECODER:
             return output
-        if self.region is None:
-            self.region = CompressedRegion.allocate(plan, self._layer_shape(plan, query, key))
+        region = self.region
+        if region is None or key.dtype != region.dtype:
+            raise RuntimeError(
+                f"vllm-fafo: a step plan reached an attention layer whose lane region is "
+                f"{'missing' if region is None else f'{region.dtype}, not {key.dtype}'}; the "
+                "region is built from vllm_config when vLLM builds the layer"
+            )
         reader = None  # streaming never reads the cache: no reader per layer and step
-        if plan.policy.reads_paged_kv:
+        if region.policy.reads_paged_kv:
             reader = self.paged_kv(layer, kv_cache, attn_metadata)
             if not self._layout_checked and plan.tails:
                 self._check_layout(plan, reader, key, value)
-        self.region.run_step(plan, query, key, value, output, self.scale, reader)
+        region.run_step(plan, query, key, value, output, self.scale, reader)
         return output
-
-    @staticmethod
-    def _layer_shape(plan: StepPlan, query: torch.Tensor, key: torch.Tensor) -> LayerShape:
-        return LayerShape(
-            rows=plan.region_rows,
-            num_heads=query.shape[1],
-            num_kv_heads=key.shape[1],
-            head_size=key.shape[2],
-            max_model_len=plan.max_model_len,
-            dtype=key.dtype,
-            device=key.device,
-        )
 
     def _check_layout(self, plan: StepPlan, reader: PagedKVReader, key, value) -> None:
         """Read this step's input token back from the cache: it must be what was written."""

@@ -1,8 +1,10 @@
 """One attention layer's fixed compressed region and its draft staging area.
 
-Shapes are fixed for the engine's life (``region_rows`` request slots x
-``region_slots`` tokens), so no step allocates and kernels see static shapes
-(FAFO Sec. 4.4, ``B_fixed``). Rejected drafts never enter the region: drafts
+Shapes are fixed for the engine's life (``rows`` request slots x
+``kv_budget`` tokens), so no step allocates and kernels see static shapes
+(FAFO Sec. 4.4, ``B_fixed``). The attention impl allocates it when vLLM
+builds the layer, before vLLM sizes the KV cache, so vLLM's memory
+accounting sees it (bytes per layer: README, "Memory"). Rejected drafts never enter the region: drafts
 are staged and only the accepted ones are committed, one step later. The
 sink and ring parts are written by position (the plan's flat indices); the
 selected part is whatever the compression policy chose.
@@ -16,12 +18,13 @@ from typing import Any
 import torch
 
 from vllm_fafo.attention.lane_attention import batched_lane_attention, lane_attention
-from vllm_fafo.compression.base import LaneStep, LayerShape, PagedKV, RegionLayout
+from vllm_fafo.compression.base import CompressionPolicy, LaneStep, LayerShape, PagedKV, RegionLayout
 from vllm_fafo.step_plan import StepPlan
 
 
 @dataclass
 class CompressedRegion:
+    policy: CompressionPolicy
     key: torch.Tensor  # (rows * slots, Hk, D)
     value: torch.Tensor
     staged_key: torch.Tensor  # (rows * staged_slots, Hk, D)
@@ -31,16 +34,20 @@ class CompressedRegion:
     selected_count: torch.Tensor  # (rows,) filled slots of each row's selected part, on the device
 
     @classmethod
-    def allocate(cls, plan: StepPlan, shape: LayerShape) -> CompressedRegion:
-        heads, dim = shape.num_kv_heads, shape.head_size
-        region = (plan.region_rows * plan.region_slots, heads, dim)
-        staged = (plan.region_rows * plan.staged_slots, heads, dim)
-        make = lambda size: torch.zeros(size, dtype=shape.dtype, device=shape.device)  # noqa: E731
+    def allocate(cls, policy: CompressionPolicy, staged_slots: int, shape: LayerShape) -> CompressedRegion:
+        heads, dim, slots = shape.num_kv_heads, shape.head_size, policy.layout.kv_budget
+        region = (shape.rows * slots, heads, dim)
+        staged = (shape.rows * staged_slots, heads, dim)
+        make = lambda size: torch.zeros(size, dtype=shape.dtype, device=shape.device)
         return cls(
-            make(region), make(region), make(staged), make(staged), plan.region_slots,
-            plan.policy.new_layer_state(shape),
-            torch.zeros(plan.region_rows, dtype=torch.long, device=shape.device),
+            policy, make(region), make(region), make(staged), make(staged), slots,
+            policy.new_layer_state(shape),
+            torch.zeros(shape.rows, dtype=torch.long, device=shape.device),
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key.dtype
 
     def run_step(
         self,
@@ -54,7 +61,7 @@ class CompressedRegion:
     ) -> None:
         """``kv`` is None when the policy does not read the paged cache."""
         self._update(plan, key, value)
-        policy = plan.policy
+        policy = self.policy
         for row in plan.new_rows:
             policy.reset_row(self.policy_state, row)
             self.selected_count[row] = 0
@@ -84,7 +91,7 @@ class CompressedRegion:
 
     def _valid_slots(self, plan: StepPlan) -> torch.Tensor:
         """(R, slots) filled slots of the tails' rows: sinks and ring (planned), selected (this layer's)."""
-        layout = plan.policy.layout
+        layout = self.policy.layout
         if layout.selected_slots == 0:
             return plan.tail_sink_ring_valid
         counts = self.selected_count.index_select(0, plan.tail_region_rows)

@@ -1,7 +1,9 @@
 """Quest (Tang et al., 2024): query-aware selection of KV pages.
 
 Each page of ``page_size`` positions keeps the element-wise min and max of its
-keys, folded in as tokens become final (never recomputed over the sequence).
+keys, folded in as tokens become final (never recomputed over the sequence),
+in the keys' own dtype (a min or max of keys is one of them: exact), so the
+metadata takes ``2 / page_size`` of a row's keys.
 A page's score for a query q is ``sum_c max(q_c * kmin_c, q_c * kmax_c)``, an
 upper bound of q.k over the page. The queries are the lanes' own: for each
 KV head, a page scores the max over lane tokens of that bound, summed over
@@ -72,7 +74,7 @@ class QuestPolicy(CompressionPolicy):
     def new_layer_state(self, shape: LayerShape) -> _QuestLayerState:
         pages = -(-shape.max_model_len // self.settings.page_size)
         size = (shape.rows, pages, shape.num_kv_heads, shape.head_size)
-        kmin = torch.full(size, float("inf"), dtype=torch.float32, device=shape.device)
+        kmin = torch.full(size, float("inf"), dtype=shape.dtype, device=shape.device)
         return _QuestLayerState(kmin, -kmin.clone(), [0] * shape.rows, [0] * shape.rows)
 
     def reset_row(self, state: _QuestLayerState, row: int) -> None:
@@ -106,8 +108,8 @@ class QuestPolicy(CompressionPolicy):
         positions = torch.arange(start, end, device=state.kmin.device)
         keys, _ = kv.read(step.batch_row, positions)
         index = (positions // self.settings.page_size)[:, None, None].expand_as(keys)
-        state.kmin[step.row].scatter_reduce_(0, index, keys.float(), "amin")
-        state.kmax[step.row].scatter_reduce_(0, index, keys.float(), "amax")
+        state.kmin[step.row].scatter_reduce_(0, index, keys, "amin")
+        state.kmax[step.row].scatter_reduce_(0, index, keys, "amax")
         state.folded[step.row] = end
 
 
@@ -120,8 +122,8 @@ def quest_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     group = num_heads // num_kv_heads
     q = query.float()
     # max(q*kmin, q*kmax) is q*kmax where q > 0, else q*kmin: two matmuls.
-    lo = kmin.repeat_interleave(group, dim=1)  # (P, Hq, D)
-    hi = kmax.repeat_interleave(group, dim=1)
+    lo = kmin.float().repeat_interleave(group, dim=1)  # (P, Hq, D)
+    hi = kmax.float().repeat_interleave(group, dim=1)
     bound = torch.einsum("thd,phd->thp", q.clamp(min=0), hi) + torch.einsum(
         "thd,phd->thp", q.clamp(max=0), lo
     )  # (T, Hq, P)

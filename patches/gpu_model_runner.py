@@ -1,0 +1,153 @@
+"""Hook FAFO's step into ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``.
+
+Wraps five methods of vLLM 0.32.0's V1 runner (``CPUModelRunner`` inherits
+them), each calling one hook of the FAFO proposer's step, in the order of
+vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
+
+1. ``_update_states(scheduler_output)``, after it: ``begin_step`` frees
+   ``finished_req_ids`` and opens the step.
+2. ``_determine_batch_execution_and_padding(num_tokens, num_reqs, ...)``,
+   after it: ``plan_forward`` plans the lanes from vLLM's prepared batch;
+   the batch descriptor grows by the tail, which therefore rides vLLM's own
+   padding mechanism (slot mapping -1: lane tokens write no KV; the
+   scheduler, the sampler and the logits of real tokens never see them).
+3. ``_build_attention_metadata(num_tokens, num_reqs, max_query_len, ...)``,
+   after it: the step plan is attached to this forward's attention metadata,
+   where every attention layer reads it and which dies with the forward.
+4. ``_preprocess(scheduler_output, num_input_tokens, ...)``, after it (vLLM
+   wrote ids and positions and zeroed the padding's positions): the tail's
+   ids and positions are written behind the real tokens.
+5. ``propose_draft_token_ids(scheduler_output, sampled_token_ids,
+   sampling_metadata, hidden_states, ...)``, before it: ``finish_forward``
+   gets ``input_batch.req_ids`` (the row order of the ``sampled_token_ids``
+   the proposer is about to receive) and the hidden states the lanes read.
+
+Other drafters pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_fafo.fumble import BatchView
+from vllm_fafo.patches.guard import require_signature
+from vllm_fafo.proposer import FafoProposer
+from vllm_fafo.step_plan import attach_plan
+
+
+def _fafo_drafter(runner: GPUModelRunner) -> FafoProposer | None:
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, FafoProposer) else None
+
+
+def _batch_view(runner: GPUModelRunner, num_tokens: int) -> BatchView:
+    """What the lane planner reads of the runner's prepared batch."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    spec = runner.drafter.step.scheduled_spec_tokens
+    req_ids = batch.req_ids[:num_reqs]
+    return BatchView(
+        req_ids=req_ids,
+        query_start_loc=runner.query_start_loc.np[: num_reqs + 1],
+        num_computed_tokens=batch.num_computed_tokens_cpu[:num_reqs],
+        num_drafts=[len(spec.get(req_id, ())) for req_id in req_ids],
+        num_tokens=num_tokens,
+        capacity=runner.max_num_tokens,
+    )
+
+
+def apply() -> None:
+    original_update = require_signature(GPUModelRunner, "_update_states", ["self", "scheduler_output"])
+    original_determine = require_signature(
+        GPUModelRunner,
+        "_determine_batch_execution_and_padding",
+        ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np"],
+    )
+    original_build_metadata = require_signature(
+        GPUModelRunner, "_build_attention_metadata", ["self", "num_tokens", "num_reqs", "max_query_len"]
+    )
+    original_preprocess = require_signature(
+        GPUModelRunner, "_preprocess", ["self", "scheduler_output", "num_input_tokens"]
+    )
+    original_propose = require_signature(
+        GPUModelRunner,
+        "propose_draft_token_ids",
+        ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states"],
+    )
+
+    @functools.wraps(original_update)
+    def _update_states(self, scheduler_output):
+        result = original_update(self, scheduler_output)
+        drafter = _fafo_drafter(self)
+        if drafter is not None:
+            drafter.begin_step(scheduler_output.finished_req_ids,
+                               scheduler_output.total_num_scheduled_tokens,
+                               scheduler_output.scheduled_spec_decode_tokens)
+        return result
+
+    @functools.wraps(original_determine)
+    def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
+        result = original_determine(self, num_tokens, num_reqs, *args, **kwargs)
+        drafter = _fafo_drafter(self)
+        if drafter is None or drafter.lanes is None or drafter.step is None:
+            return result
+        plan = drafter.plan_forward(_batch_view(self, num_tokens))
+        if plan is None or not plan.num_tail_tokens:
+            return result
+        cudagraph_mode, batch_desc, *rest = result
+        if batch_desc.num_tokens != num_tokens:
+            raise RuntimeError(
+                "vllm-fafo lanes need an unpadded eager batch, but vLLM padded "
+                f"{num_tokens} tokens to {batch_desc.num_tokens} (cudagraph mode "
+                f"{cudagraph_mode}); run with enforce_eager=True"
+            )
+        grown = dataclasses.replace(batch_desc, num_tokens=num_tokens + plan.num_tail_tokens)
+        return (cudagraph_mode, grown, *rest)
+
+    @functools.wraps(original_build_metadata)
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, *rest = original_build_metadata(self, *args, **kwargs)
+        drafter = _fafo_drafter(self)
+        plan = drafter.attention_plan() if drafter is not None else None
+        if plan is not None:
+            attach_plan(attn_metadata, plan)
+        return (attn_metadata, *rest)
+
+    @functools.wraps(original_preprocess)
+    def _preprocess(self, scheduler_output, num_input_tokens, *args, **kwargs):
+        result = original_preprocess(self, scheduler_output, num_input_tokens, *args, **kwargs)
+        drafter = _fafo_drafter(self)
+        tail = drafter.tail_inputs() if drafter is not None else None
+        if tail is not None:
+            ids, positions = tail
+            start = scheduler_output.total_num_scheduled_tokens
+            end = start + len(ids)
+            self.input_ids.gpu[start:end] = torch.as_tensor(ids, dtype=self.input_ids.gpu.dtype)
+            self.positions[start:end] = torch.as_tensor(positions, dtype=self.positions.dtype)
+        return result
+
+    @functools.wraps(original_propose)
+    def propose_draft_token_ids(
+        self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs,
+    ):
+        drafter = _fafo_drafter(self)
+        if drafter is not None:
+            drafter.finish_forward(list(self.input_batch.req_ids), hidden_states)
+        return original_propose(
+            self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs,
+        )
+
+    wrappers = {
+        "_update_states": _update_states,
+        "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,
+        "_build_attention_metadata": _build_attention_metadata,
+        "_preprocess": _preprocess,
+        "propose_draft_token_ids": propose_draft_token_ids,
+    }
+    for name, wrapper in wrappers.items():
+        wrapper.vllm_fafo_patch = __name__
+        setattr(GPUModelRunner, name, wrapper)

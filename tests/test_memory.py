@@ -1,0 +1,135 @@
+"""Lane memory is allocated when vLLM builds the layers, so vLLM accounts for it.
+
+The README's per-layer formula is checked against the bytes every layer of a
+real engine actually holds, and vLLM's own KV cache sizing must shrink by
+the regions' bytes when lanes are on (instead of the regions landing on top
+of a KV cache sized as if they did not exist).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import fields, is_dataclass
+
+import pytest
+import torch
+
+from vllm_fafo.compression import QuestPolicy
+from vllm_fafo.compression.base import LayerShape
+from vllm_fafo.compression.quest import QuestSettings
+
+from .conftest import LANES_SPEC, POLICY_SPECS
+from .engine_utils import ENGINE_MAX_MODEL_LEN
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor held by ``obj`` (a tensor, a dataclass of them, or neither)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if is_dataclass(obj):
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in fields(obj))
+    return 0
+
+
+def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, head_size: int,
+                   max_model_len: int, dtype_bytes: int) -> int:
+    """README "Memory": bytes of one attention layer's lane state."""
+    k = spec.get("num_speculative_tokens", 4)
+    per_token = 2 * num_kv_heads * head_size * dtype_bytes
+    total = rows * (spec["kv_budget"] + k) * per_token + 8 * rows
+    if spec.get("compression") == "quest":
+        total += rows * math.ceil(max_model_len / spec.get("quest_page_size", 16)) * per_token
+    if spec.get("compression") == "snapkv":
+        total += rows * spec.get("snapkv_window", 32) * num_heads * head_size * dtype_bytes
+    return total
+
+
+def _layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
+    """(lane bytes, Hq, Hk, D) of every attention layer of a worker's model."""
+    context = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    out = []
+    for layer in context.values():
+        impl = getattr(layer, "impl", None)
+        if impl is not None:
+            out.append((tensor_bytes(impl.region), impl.num_heads, impl.num_kv_heads, impl.head_size))
+    return out
+
+
+def _check_formula(llm, spec: dict) -> None:
+    (layers,) = llm.collective_rpc(_layer_lane_bytes)
+    rows = min(spec.get("max_lane_requests", 8), llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+    assert len(layers) == llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    for held, num_heads, num_kv_heads, head_size in layers:
+        assert held == readme_formula(spec, rows, num_heads, num_kv_heads, head_size, ENGINE_MAX_MODEL_LEN, 4)
+
+
+@pytest.mark.engine
+def test_streaming_lane_bytes_match_the_readme_formula(lanes_llm):
+    _check_formula(lanes_llm, LANES_SPEC)
+
+
+@pytest.mark.engine
+def test_policy_lane_bytes_match_the_readme_formula(policy_llm):
+    name, llm = policy_llm
+    _check_formula(llm, POLICY_SPECS[name])
+
+
+@pytest.mark.engine
+def test_engines_without_lanes_hold_no_lane_memory(plain_llm, pool_only_llm):
+    for llm in (plain_llm, pool_only_llm):
+        (layers,) = llm.collective_rpc(_layer_lane_bytes)
+        assert layers and all(held == 0 for held, *_ in layers)
+
+
+def test_quest_metadata_at_32k_context_fits_the_formula():
+    """Llama-3-8B's attention shape, bf16, 8 rows, 32k context: the page min/max in the keys' dtype."""
+    settings = QuestSettings(page_size=16, recent_tokens=32)
+    policy = QuestPolicy(4, 256, settings)
+    shape = LayerShape(rows=8, num_heads=32, num_kv_heads=8, head_size=128, max_model_len=32768,
+                       dtype=torch.bfloat16, device=torch.device("cpu"))
+    state = policy.new_layer_state(shape)
+    assert tensor_bytes(state) == 2 * 8 * (32768 // 16) * 8 * 128 * 2 == 64 * 2**20
+    assert state.kmin.dtype == torch.bfloat16
+
+
+_KV_PROBE = """
+import json, sys
+from vllm import LLM
+from tests.test_memory import _layer_lane_bytes
+spec = json.loads(sys.argv[1])
+llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
+          gpu_memory_utilization=0.12, enable_prefix_caching=False, speculative_config=spec)
+(layers,) = llm.collective_rpc(_layer_lane_bytes)
+(kv_config,) = llm.collective_rpc(lambda worker: worker.model_runner.kv_cache_config)
+cache_bytes = sum(t.size for t in kv_config.kv_cache_tensors)
+print("PROBE", json.dumps({"kv_cache_bytes": cache_bytes, "lane_bytes": sum(b for b, *_ in layers)}))
+"""
+
+
+def _probe_kv_cache(model_dir: str, spec: dict) -> dict:
+    """vLLM's KV cache size, sized from the memory left (no explicit size), in a fresh process."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", _KV_PROBE, json.dumps(spec), model_dir], env=env, capture_output=True,
+        text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("PROBE "))
+    return json.loads(line[len("PROBE "):])
+
+
+@pytest.mark.engine
+def test_vllm_sizes_the_kv_cache_around_the_lane_regions(model_dir):
+    """vLLM's CPU worker sizes the KV cache from the memory the process holds after loading the
+    model: with lanes it must come out smaller by about the regions' bytes (380 MB here)."""
+    lanes_spec = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 2048, "max_lane_requests": 4}
+    without = _probe_kv_cache(model_dir, {"method": "fafo", "num_lanes": 0})
+    with_lanes = _probe_kv_cache(model_dir, lanes_spec)
+    region = with_lanes["lane_bytes"]
+    assert without["lane_bytes"] == 0 and region > 300 * 2**20
+    shrink = without["kv_cache_bytes"] - with_lanes["kv_cache_bytes"]
+    assert abs(shrink - region) < 0.15 * region, (shrink, region)

@@ -99,14 +99,22 @@ def test_quest_metadata_at_32k_context_fits_the_formula():
 _KV_PROBE = """
 import json, sys
 from vllm import LLM
+from vllm.v1.worker.cpu_worker import CPUWorker
 from tests.test_memory import _layer_lane_bytes
+seen = {}
+size_kv_cache = CPUWorker.determine_available_memory
+def recording(worker):
+    seen["lane_bytes_when_sized"] = sum(b for b, *_ in _layer_lane_bytes(worker))
+    return size_kv_cache(worker)
+CPUWorker.determine_available_memory = recording
 spec = json.loads(sys.argv[1])
 llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
-          gpu_memory_utilization=0.12, enable_prefix_caching=False, speculative_config=spec)
+          gpu_memory_utilization=0.3, enable_prefix_caching=False, speculative_config=spec)
 (layers,) = llm.collective_rpc(_layer_lane_bytes)
 (kv_config,) = llm.collective_rpc(lambda worker: worker.model_runner.kv_cache_config)
-cache_bytes = sum(t.size for t in kv_config.kv_cache_tensors)
-print("PROBE", json.dumps({"kv_cache_bytes": cache_bytes, "lane_bytes": sum(b for b, *_ in layers)}))
+seen["kv_cache_bytes"] = sum(t.size for t in kv_config.kv_cache_tensors)
+seen["lane_bytes"] = sum(b for b, *_ in layers)
+print("PROBE", json.dumps(seen))
 """
 
 
@@ -124,12 +132,17 @@ def _probe_kv_cache(model_dir: str, spec: dict) -> dict:
 
 @pytest.mark.engine
 def test_vllm_sizes_the_kv_cache_around_the_lane_regions(model_dir):
-    """vLLM's CPU worker sizes the KV cache from the memory the process holds after loading the
-    model: with lanes it must come out smaller by about the regions' bytes (380 MB here)."""
-    lanes_spec = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 2048, "max_lane_requests": 4}
+    """Every lane byte exists when vLLM's worker sizes the KV cache, and the KV cache comes out
+    smaller by about that much. vLLM's CPU worker sizes it from the process's resident memory,
+    which moves by up to about 200 MB between two starts of the same engine (weight loading), so
+    the regions are made large (755 MB) and the shrink is checked to within 45 % of them
+    (measured: 938 MB and 383 MB shrinks for 756 MB and 189 MB regions)."""
+    lanes_spec = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 4096, "max_lane_requests": 4}
     without = _probe_kv_cache(model_dir, {"method": "fafo", "num_lanes": 0})
     with_lanes = _probe_kv_cache(model_dir, lanes_spec)
     region = with_lanes["lane_bytes"]
-    assert without["lane_bytes"] == 0 and region > 300 * 2**20
+    assert without["lane_bytes"] == 0 and region > 700 * 2**20
+    assert with_lanes["lane_bytes_when_sized"] == region
     shrink = without["kv_cache_bytes"] - with_lanes["kv_cache_bytes"]
-    assert abs(shrink - region) < 0.15 * region, (shrink, region)
+    print("kv cache shrink", shrink, "lane bytes", region)
+    assert abs(shrink - region) < 0.45 * region, (shrink, region)

@@ -30,7 +30,8 @@ install() {
     (cd "$ROOT" && sha256sum -c chunks/payload.sha256)
     tar -xf "$ROOT/payload.tar" -C "$ROOT" && rm "$ROOT/payload.tar"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$ROOT/site" "$ROOT"/payload/wheels/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$ROOT/site" .
+    # The plugin itself, not editable, built with the carried setuptools (pyproject's build requirement).
+    PYTHONPATH="$ROOT/site" python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$ROOT/site" .
     python3 - <<'PY'
 import torch, vllm
 from importlib.metadata import entry_points

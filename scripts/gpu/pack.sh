@@ -62,6 +62,8 @@ for line in open(sys.argv[1]):
     print(line)
 PY
 python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" -r "$DEV/requirements-carried.txt"
+echo "== the plugin's build requirements (pyproject.toml), to build it there without network"
+python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" setuptools==78.1.1 wheel==0.45.1
 if [ "${WITH_TORCH:-0}" = 1 ]; then
     echo "== torch 2.13.0 and triton 3.7.1"
     python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" torch==2.13.0 triton==3.7.1

@@ -1,9 +1,9 @@
 """Lane memory is allocated when vLLM builds the layers, so vLLM accounts for it.
 
 The README's per-layer formula is checked against the bytes every layer of a
-real engine actually holds, and vLLM's own KV cache sizing must shrink by
-the regions' bytes when lanes are on (instead of the regions landing on top
-of a KV cache sized as if they did not exist).
+real engine actually holds, and every one of those bytes must exist when
+vLLM sizes the KV cache (instead of landing on top of a KV cache sized as if
+they did not exist).
 """
 
 from __future__ import annotations
@@ -131,18 +131,16 @@ def _probe_kv_cache(model_dir: str, spec: dict) -> dict:
 
 
 @pytest.mark.engine
-def test_vllm_sizes_the_kv_cache_around_the_lane_regions(model_dir):
-    """Every lane byte exists when vLLM's worker sizes the KV cache, and the KV cache comes out
-    smaller by about that much. vLLM's CPU worker sizes it from the process's resident memory,
-    which moves by up to about 200 MB between two starts of the same engine (weight loading), so
-    the regions are made large (755 MB) and the shrink is checked to within 45 % of them
-    (measured: 938 MB and 383 MB shrinks for 756 MB and 189 MB regions)."""
+def test_every_lane_byte_exists_when_vllm_sizes_the_kv_cache(model_dir):
+    """vLLM sizes the KV cache from what the process holds once the model is loaded (CPU: its
+    resident memory; CUDA: its profiling run): the regions must all be allocated by then.
+
+    The size vLLM's CPU worker then picks is not compared here: resident memory moves by
+    hundreds of MB between starts of the same engine (for a 756 MB region the KV cache shrank
+    by 938 MB in one pair of fresh processes and grew by 289 MB in another, late in a test
+    session), so that comparison cannot tell a bug from noise."""
     lanes_spec = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 4096, "max_lane_requests": 4}
-    without = _probe_kv_cache(model_dir, {"method": "fafo", "num_lanes": 0})
     with_lanes = _probe_kv_cache(model_dir, lanes_spec)
     region = with_lanes["lane_bytes"]
-    assert without["lane_bytes"] == 0 and region > 700 * 2**20
+    assert region > 700 * 2**20
     assert with_lanes["lane_bytes_when_sized"] == region
-    shrink = without["kv_cache_bytes"] - with_lanes["kv_cache_bytes"]
-    print("kv cache shrink", shrink, "lane bytes", region)
-    assert abs(shrink - region) < 0.45 * region, (shrink, region)

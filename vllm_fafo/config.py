@@ -17,6 +17,7 @@ from typing import Any
 from vllm_fafo.compression import POLICIES, CompressionPolicy
 from vllm_fafo.compression.base import settings_keys
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
+from vllm_fafo.goodput import CONTROLLERS
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
@@ -50,6 +51,11 @@ class FafoConfig:
     max_lane_requests: int = 8
     """Requests that get a compressed region (and so lanes) at once; later
     ones run pool-only until a region frees up at their next prefill."""
+    controller: str = "goodput"
+    """``goodput``: each step, lanes per request and draft length are chosen to
+    maximise accepted tokens per second on this machine (vllm_fafo.goodput),
+    down to none; ``fixed``: always ``num_lanes`` (as the free token slots
+    allow) and ``num_speculative_tokens``."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -123,6 +129,11 @@ class FafoConfig:
         check_int("kv_budget", self.kv_budget, 8, 1 << 16)
         check_int("sink_tokens", self.sink_tokens, 0, self.kv_budget - 1)
         check_int("max_lane_requests", self.max_lane_requests, 1, 1024)
+        if self.controller not in CONTROLLERS:
+            raise FafoConfigError(
+                f"speculative_config['controller']={self.controller!r} is not a controller; "
+                f"allowed: {', '.join(repr(c) for c in CONTROLLERS)}"
+            )
         window = self.kv_budget - self.sink_tokens
         if window <= self.num_speculative_tokens + 1:
             raise FafoConfigError(
@@ -198,6 +209,6 @@ class RegionSpec:
 
 USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
-    "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests",
+    "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

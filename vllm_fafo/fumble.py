@@ -36,6 +36,15 @@ class BatchView:
     num_tokens: int  # real tokens in the batch
     capacity: int  # token slots the runner's buffers hold
 
+    @property
+    def num_decoding(self) -> int:
+        """Rows that decode this step (one token plus their drafts), not prefill chunks."""
+        return int((np.diff(self.query_start_loc) == np.asarray(self.num_drafts) + 1).sum())
+
+
+LaneChooser = Callable[[int, int, int, int], int]
+"""(real tokens, requests with lanes, decoding requests, most lanes) -> lanes per request."""
+
 
 @dataclass
 class _RequestLanes:
@@ -76,8 +85,11 @@ class FumbleLanes:
             state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len, self.stagger_lanes)
 
     # Per step ----------------------------------------------------------------------------
-    def plan_step(self, batch: BatchView) -> StepPlan:
-        """This step's region updates and tail (token ids and positions included)."""
+    def plan_step(self, batch: BatchView, lanes_for: LaneChooser | None = None) -> StepPlan:
+        """This step's region updates and tail (token ids and positions included).
+
+        ``lanes_for`` (the goodput controller) picks the lanes per request, at
+        most what the free token slots allow; None: that maximum."""
         commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
         new_rows, prefill_chunks, decode_rows = [], [], []
         layout = self.policy.layout
@@ -117,7 +129,7 @@ class FumbleLanes:
             write_src.extend((start + keep).tolist())
             write_dst.extend((base + layout.slots(positions[keep])).tolist())
 
-        tails, ids, positions = self._layout_tails(batch, decode_rows)
+        tails, ids, positions = self._layout_tails(batch, decode_rows, lanes_for)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         sink_ring_valid = layout.filled_sink_and_ring([tail.num_final for tail in tails])
         return StepPlan(
@@ -133,12 +145,16 @@ class FumbleLanes:
             tail_positions=positions,
         )
 
-    def _layout_tails(self, batch: BatchView, decode_rows) -> tuple[list[RequestTail], np.ndarray, np.ndarray]:
-        """Lanes per request = min(num_lanes, free token slots / decoding requests)."""
+    def _layout_tails(
+        self, batch: BatchView, decode_rows, lanes_for: LaneChooser | None
+    ) -> tuple[list[RequestTail], np.ndarray, np.ndarray]:
+        """Lanes per request: at most min(num_lanes, free token slots / decoding requests)."""
         free = batch.capacity - batch.num_tokens
         if not decode_rows or free < self.lane_len:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         active = min(self.num_lanes, free // (len(decode_rows) * self.lane_len))
+        if lanes_for is not None and active > 0:
+            active = min(active, lanes_for(batch.num_tokens, len(decode_rows), batch.num_decoding, active))
         if active == 0:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         tails, all_ids, all_pos = [], [], []

@@ -52,11 +52,14 @@ class FafoMetrics:
 def _worker_metrics(worker: Any) -> dict[str, Any] | None:
     drafter = getattr(worker.model_runner, "drafter", None)
     metrics = getattr(drafter, "metrics", None)
-    return metrics.as_dict() if isinstance(metrics, FafoMetrics) else None
+    if not isinstance(metrics, FafoMetrics):
+        return None
+    return {**metrics.as_dict(), "controller": drafter.controller.summary()}
 
 
 def collect_metrics(llm: Any) -> dict[str, Any]:
-    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``."""
+    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with the
+    goodput controller's latest choices and cost curve under ``"controller"``."""
     results = llm.collective_rpc(_worker_metrics)
     if not results or results[0] is None:
         raise RuntimeError("this engine does not run the FAFO proposer")

@@ -73,6 +73,7 @@ class LookaheadConfig:
             seed_from_output=False,
             touch_on_lookup=False,
             stagger_lanes=True,
+            controller="fixed",  # the paper's W, N, G every step
         )
 
 
@@ -126,6 +127,7 @@ class CacheBackConfig:
             seed_from_prompt=self.seed_from_prompt,
             text_ngram_len=self.follower_len,
             frozen_table=self.frozen_table,
+            controller="fixed",  # the paper's chain every step
         )
 
 

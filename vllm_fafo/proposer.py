@@ -25,6 +25,7 @@ already keeps, never from a scan of the whole sequence.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,11 +37,15 @@ from vllm.logger import init_logger
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
+from vllm_fafo.goodput import make_controller
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import NgramPool, Origin
 from vllm_fafo.step_plan import StepPlan
 
 logger = init_logger(__name__)
+
+LOG_INTERVAL_S = 10.0
+"""Seconds between the goodput controller's INFO lines."""
 
 
 @dataclass
@@ -94,6 +99,8 @@ class FafoStep:
     tail_written: bool = False
     req_ids: Sequence[str] | None = None
     """Row order of the batch that ``propose`` receives."""
+    started: float = field(default_factory=time.perf_counter)
+    """When the step began (its forward, sampling and proposing are timed)."""
 
 
 class FafoProposer:
@@ -117,6 +124,8 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
+        self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens)
+        self._last_log = time.monotonic()
         self._requests: dict[str, RequestState] = {}
         self.step: FafoStep | None = None
         self._model = None
@@ -160,7 +169,7 @@ class FafoProposer:
             return None
         if batch.num_tokens != step.num_scheduled_tokens:
             return None
-        step.plan = self.lanes.plan_step(batch)
+        step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
         self.metrics.tail_tokens += step.plan.num_tail_tokens
         return step.plan
 
@@ -231,6 +240,12 @@ class FafoProposer:
                 "the vllm_fafo runner patches are not applied in this process"
             )
         self.metrics.propose_calls += 1
+        num_rows = len(sampled_token_ids)
+        drafted, accepted = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
+        decoding = np.zeros(num_rows, dtype=bool)
+        lane_accepted = 0
+        num_decoding = sum(1 for sampled in sampled_token_ids if sampled)
+        draft_len = self.controller.choose_draft_len(self._undrafted_tokens(step), num_decoding)
         drafts: list[list[int]] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
@@ -239,10 +254,47 @@ class FafoProposer:
             num_tokens = int(num_tokens_no_spec[row])
             history = token_ids_cpu[row]
             state = self._state_for(req_ids[row], num_tokens - len(sampled), history)
-            self.metrics.record_acceptance(state.last_draft_origins[: len(sampled) - 1])
+            accepted_origins = state.last_draft_origins[: len(sampled) - 1]
+            self.metrics.record_acceptance(accepted_origins)
+            decoding[row] = True
+            drafted[row], accepted[row] = len(state.last_draft_origins), len(accepted_origins)
+            lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             self._file_new_ngrams(state, history, num_tokens)
-            drafts.append(self._draft(state, history, num_tokens))
+            drafts.append(self._draft(state, history, num_tokens, draft_len))
+        self._learn(step, drafted[decoding], accepted[decoding], lane_accepted)
         return drafts
+
+    def _undrafted_tokens(self, step: FafoStep) -> int:
+        """Tokens of this step without its drafts (the lanes included): the next step's
+        size before the drafts the controller is about to size."""
+        drafts = sum(map(len, step.scheduled_spec_tokens.values()))
+        tail = step.plan.num_tail_tokens if step.plan is not None else 0
+        return step.num_scheduled_tokens - drafts + tail
+
+    def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, lane_accepted: int) -> None:
+        """Feed the controller this step's cost and yields; log its state now and then."""
+        tail = step.plan.num_tail_tokens if step.plan is not None else 0
+        self.controller.observe_step(
+            tokens=step.num_scheduled_tokens + tail,
+            seconds=time.perf_counter() - step.started,
+            lane_tokens=tail,
+            lane_accepted=lane_accepted,
+            text_accepted=int(accepted.sum()) - lane_accepted,
+            draft_lengths=drafted,
+            accepted_lengths=accepted,
+        )
+        now = time.monotonic()
+        if now - self._last_log >= LOG_INTERVAL_S:
+            self._last_log = now
+            summary = self.controller.summary()
+            logger.info(
+                "vllm-fafo %s controller: lanes per request %d (of %d), draft length %d (of %d)%s",
+                summary["controller"], summary["lanes"], self.config.num_lanes, summary["draft_len"],
+                self.num_speculative_tokens,
+                "" if "lane_yield" not in summary else
+                f", lane yield {summary['lane_yield']:.4f} accepted per lane token, "
+                f"{summary['tokens_per_request']:.2f} tokens per request-step without lanes",
+            )
 
     # Internals -----------------------------------------------------------------------
     def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
@@ -286,10 +338,10 @@ class FafoProposer:
         )
         state.next_anchor = stop_anchor
 
-    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> list[int]:
-        """Chain candidates until the draft is full or no key matches: the
+    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int, draft_len: int) -> list[int]:
+        """Chain candidates until ``draft_len`` tokens or no key matches: the
         request's pool first, then the frozen table (Cacheback Sec. 3.3)."""
-        room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
+        room = min(draft_len, self.max_model_len - num_tokens)
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
         draft: list[int] = []
         origins: list[Origin] = []

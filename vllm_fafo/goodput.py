@@ -1,0 +1,316 @@
+"""Goodput controller: spend lane and draft tokens only where they pay, on this machine.
+
+A step's tokens (real + drafts + lanes) cost what this machine charges for
+them: on a GPU about nothing up to a knee, on a CPU every token. Lane tokens
+earn later (their n-grams are accepted in later steps), draft tokens earn if
+accepted. Each step the controller picks, for the whole batch, the lanes per
+request and the draft length that maximise expected accepted tokens per
+second (SmartSpec / TurboSpec's goodput objective), down to no lanes and no
+drafts when nothing pays. Everything is learned from the engine's own steps:
+
+- :class:`StepCostModel`: seconds per step against tokens in the forward,
+  one decayed mean per point of a geometric grid of token counts, read as a
+  monotone piecewise-linear curve (no hardware table).
+- :class:`YieldEstimates`: decayed acceptance per draft position, accepted
+  tokens per decoding request from text n-grams, and accepted lane-n-gram
+  tokens per lane token run.
+
+Exploration: the cost model extrapolates flat past the largest token count it
+has seen (so untried sizes look cheap and get tried once), and with lanes or
+drafts off the controller probes them (the most lanes it prices at no more
+than twice the plain step, for ``probe_burst`` steps; one draft token) after
+``probe_interval`` steps, doubling the interval after each probe that did not pay (bounded by
+``max_probe_interval``), so a change in cost or acceptance is followed within
+a bounded number of steps at a cost amortised to a few percent.
+
+``"controller": "fixed"`` (:class:`FixedController`) keeps the configured
+sizes: the lanes the free token slots allow and ``num_speculative_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CONTROLLERS = ("goodput", "fixed")
+
+_GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
+"""Token counts the cost model keeps a mean for: 1 .. 131072, about 4 per doubling."""
+
+
+@dataclass
+class StepCostModel:
+    """Seconds per step as a monotone function of the tokens in the forward."""
+
+    weight: float = 0.2
+    """Weight of a new sample in its grid point's decayed mean."""
+    stale_after: int = 64
+    """Steps after which a point's mean is replaced by its next sample, not averaged
+    with it: sizes that are tried rarely (probes) must not keep an old machine's cost."""
+    forget_after: int = 512
+    """Steps after which a point no longer counts at all: the curve is read from
+    what the machine did lately, and an old expensive size gets tried again."""
+    _steps: int = 0
+    _updated_at: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=np.int64))
+    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    _seen: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=bool))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1:
+            return  # a step without tokens prices nothing
+        self._steps += 1
+        point = int(np.abs(np.log(_GRID) - math.log(max(tokens, 1))).argmin())
+        stale = self._steps - self._updated_at[point] > self.stale_after
+        self._updated_at[point] = self._steps
+        if stale or not self._seen[point]:
+            self._tokens[point], self._seconds[point], self._seen[point] = tokens, seconds, True
+            return
+        self._tokens[point] += self.weight * (tokens - self._tokens[point])
+        self._seconds[point] += self.weight * (seconds - self._seconds[point])
+
+    @property
+    def has_data(self) -> bool:
+        return len(self.curve()[0]) > 0
+
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """The recent (tokens, seconds) points, seconds made non-decreasing."""
+        recent = self._seen & (self._steps - self._updated_at <= self.forget_after)
+        tokens, seconds = self._tokens[recent], self._seconds[recent]
+        return tokens, np.maximum.accumulate(seconds)
+
+    def predict(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Seconds of a step with ``tokens`` tokens, interpolated between the sizes seen.
+
+        Outside them it is optimistic, so the controller goes and looks: flat
+        above the largest size seen, proportional to the tokens below the smallest."""
+        known_tokens, known_seconds = self.curve()
+        if not len(known_tokens):
+            return np.ones(np.shape(tokens))
+        tokens = np.asarray(tokens, dtype=np.float64)
+        inside = np.interp(tokens, known_tokens, known_seconds)
+        below = known_seconds[0] * tokens / known_tokens[0]
+        return np.where(tokens < known_tokens[0], below, inside)
+
+
+@dataclass
+class YieldEstimates:
+    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps)."""
+
+    max_draft: int
+    decay: float = 0.98
+    lane_tokens: float = 0.0
+    lane_accepted: float = 0.0
+    decode_rows: float = 0.0
+    text_accepted: float = 0.0
+    position_trials: np.ndarray = field(init=False)
+    position_hits: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.position_trials = np.zeros(self.max_draft)
+        self.position_hits = np.zeros(self.max_draft)
+
+    def observe_step(
+        self,
+        lane_tokens: int,
+        lane_accepted: int,
+        text_accepted: int,
+        draft_lengths: np.ndarray,
+        accepted_lengths: np.ndarray,
+    ) -> None:
+        """One step: tokens the lanes ran, what was accepted (by source), and the
+        verified drafts' lengths and accepted prefixes, one entry per decoding request."""
+        d = self.decay
+        self.lane_tokens = d * self.lane_tokens + lane_tokens
+        self.lane_accepted = d * self.lane_accepted + lane_accepted
+        self.decode_rows = d * self.decode_rows + len(draft_lengths)
+        self.text_accepted = d * self.text_accepted + text_accepted
+        positions = np.arange(1, self.max_draft + 1)
+        trials = (np.asarray(draft_lengths)[:, None] >= positions).sum(axis=0)
+        hits = (np.asarray(accepted_lengths)[:, None] >= positions).sum(axis=0)
+        self.position_trials = d * self.position_trials + trials
+        self.position_hits = d * self.position_hits + hits
+
+    def lane_yield(self) -> float:
+        """Accepted lane-n-gram tokens per lane token run (0 before any lane ran)."""
+        return self.lane_accepted / self.lane_tokens if self.lane_tokens > 1e-6 else 0.0
+
+    def tokens_per_request(self) -> float:
+        """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
+        return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
+
+    def reach_probability(self) -> np.ndarray:
+        """P(positions 1..k all accepted | position k drafted), k = 1..max_draft, non-increasing.
+
+        Each position's rate is smoothed with a quarter of a pseudo-trial at the
+        rate of the position before it (1 for the first), so a position seldom
+        drafted is judged like its neighbour until its own evidence outweighs that,
+        and one left undrafted long enough (its decayed trials gone) is tried again."""
+        rate = np.ones(self.max_draft)
+        prior, weight = 1.0, 0.25
+        for k in range(self.max_draft):  # max_draft is small (<= 64)
+            rate[k] = (self.position_hits[k] + weight * prior) / (self.position_trials[k] + weight)
+            prior = rate[k]
+        return np.minimum.accumulate(rate)
+
+
+@dataclass
+class Decision:
+    lanes: int
+    draft_len: int
+    probe: bool = False
+
+
+class FixedController:
+    """The configured sizes, always: lanes as the free token slots allow, full drafts."""
+
+    name = "fixed"
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+        self.last = Decision(0, max_draft)
+
+    def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
+        self.last.lanes = max_lanes
+        return max_lanes
+
+    def choose_draft_len(self, step_tokens: int, decoding_requests: int) -> int:
+        return self.max_draft
+
+    def observe_step(self, tokens: int, seconds: float, **yields) -> None:
+        return None
+
+    def summary(self) -> dict:
+        return {"controller": self.name, "lanes": self.last.lanes, "draft_len": self.max_draft}
+
+
+class GoodputController:
+    """Chooses lanes per request and the draft length that maximise accepted tokens per second."""
+
+    name = "goodput"
+
+    def __init__(
+        self,
+        lane_len: int,
+        max_draft: int,
+        probe_interval: int = 16,
+        max_probe_interval: int = 1024,
+        probe_burst: int = 4,
+        decay: float = 0.98,
+    ) -> None:
+        self.lane_len = lane_len
+        self.max_draft = max_draft
+        self.cost = StepCostModel()
+        self.yields = YieldEstimates(max_draft, decay)
+        self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
+        self._draft_probe = _Probe(probe_interval, max_probe_interval)
+        self.last = Decision(0, max_draft)
+
+    # Decisions -----------------------------------------------------------------------
+    def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
+        """Lanes per request for this forward (0..max_lanes), which has ``real_tokens``
+        tokens (drafts included) and ``lane_requests`` requests that can run lanes."""
+        if max_lanes <= 0 or lane_requests <= 0:
+            self.last.lanes, self.last.probe = 0, False
+            return 0
+        options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
+        options = options[options <= max_lanes]
+        lane_tokens = options * self.lane_len * lane_requests
+        base = decoding_requests * self.yields.tokens_per_request()
+        gain = base + lane_tokens * self.yields.lane_yield()
+        rate = gain / self.cost.predict(real_tokens + lane_tokens)
+        best = int(options[int(rate.argmax())])
+        probe = best == 0 and self._lane_probe.due()
+        if probe:  # the most lanes the cost model prices at no more than twice the plain step
+            affordable = options[self.cost.predict(real_tokens + lane_tokens) <= 2 * self.cost.predict(real_tokens)]
+            best = int(max(affordable.max(), 1))
+        self._lane_probe.step(chosen=best > 0, probe=probe)
+        self.last.lanes, self.last.probe = best, probe
+        return best
+
+    def choose_draft_len(self, step_tokens: int, decoding_requests: int) -> int:
+        """Draft length for every request of the next step: position k is drafted while
+        its acceptance probability pays for the token it adds at the current goodput."""
+        if decoding_requests <= 0 or not self.cost.has_data:
+            return self.max_draft
+        reach = self.yields.reach_probability()  # P(the first k all accepted)
+        seconds = self.cost.predict(step_tokens)
+        extra = self.cost.predict(step_tokens + decoding_requests * np.arange(1, self.max_draft + 1)) - seconds
+        # Drafting k per request: R * (1 + sum reach[:k]) tokens in seconds + extra[k-1].
+        gains = decoding_requests * (1.0 + np.concatenate([[0.0], np.cumsum(reach)]))
+        rates = gains / (seconds + np.concatenate([[0.0], extra]))
+        best = int(rates.argmax())
+        probe = best == 0 and self._draft_probe.due()
+        if probe:
+            best = 1
+        self._draft_probe.step(chosen=best > 0, probe=probe)
+        self.last.draft_len = best
+        return best
+
+    # Learning --------------------------------------------------------------------------
+    def observe_step(
+        self,
+        tokens: int,
+        seconds: float,
+        lane_tokens: int,
+        lane_accepted: int,
+        text_accepted: int,
+        draft_lengths: np.ndarray,
+        accepted_lengths: np.ndarray,
+    ) -> None:
+        self.cost.observe(tokens, seconds)
+        self.yields.observe_step(lane_tokens, lane_accepted, text_accepted, draft_lengths, accepted_lengths)
+
+    def summary(self) -> dict:
+        tokens, seconds = self.cost.curve()
+        return {
+            "controller": self.name,
+            "lanes": self.last.lanes,
+            "draft_len": self.last.draft_len,
+            "lane_yield": self.yields.lane_yield(),
+            "tokens_per_request": self.yields.tokens_per_request(),
+            "reach_probability": self.yields.reach_probability().round(4).tolist(),
+            "cost_curve_tokens": tokens.round(1).tolist(),
+            "cost_curve_ms": (1000 * seconds).round(3).tolist(),
+        }
+
+
+@dataclass
+class _Probe:
+    """When a choice that is off gets tried again: after ``interval`` steps off, for ``burst`` steps in a row (lane yields
+    are sparse and arrive late: one step shows little), the interval doubling
+    after each probe that was not followed by the choice being kept."""
+
+    base: int
+    max_interval: int
+    burst: int = 1
+    interval: int = 0
+    steps_off: int = 0
+    burst_left: int = 0
+
+    def __post_init__(self) -> None:
+        self.interval = self.base
+
+    def due(self) -> bool:
+        return self.burst_left > 0 or self.steps_off >= self.interval
+
+    def step(self, chosen: bool, probe: bool) -> None:
+        if probe:
+            self.burst_left = (self.burst_left or self.burst) - 1
+            if self.burst_left == 0:
+                self.steps_off = 0
+                self.interval = min(2 * self.interval, self.max_interval)
+        elif chosen:
+            self.steps_off, self.burst_left, self.interval = 0, 0, self.base
+        else:
+            self.steps_off += 1
+
+
+def make_controller(name: str, lane_len: int, max_draft: int) -> FixedController | GoodputController:
+    if name == "fixed":
+        return FixedController(max_draft)
+    if name == "goodput":
+        return GoodputController(lane_len, max_draft)
+    raise ValueError(f"unknown controller {name!r}; allowed: {', '.join(CONTROLLERS)}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from vllm_fafo.goodput import FixedController, GoodputController, StepCostModel, YieldEstimates, make_controller
+from vllm_fafo.goodput import FixedController, GoodputController, StepCostModel, StepOutcome, YieldEstimates, make_controller
 
 LANE_LEN = 4
 MAX_LANES = 16
@@ -61,10 +61,10 @@ def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None =
         produced = r + int(accepted.sum()) + lane_accepted
         tokens_out += produced
         seconds_total += seconds
-        controller.observe_step(
+        controller.observe(StepOutcome(
             tokens=n, seconds=seconds, lane_tokens=lane_tokens, lane_accepted=lane_accepted,
             text_accepted=int(accepted.sum()), draft_lengths=np.full(r, draft_len), accepted_lengths=accepted,
-        )
+        ))
         undrafted = r + lane_tokens
         draft_len = controller.choose_draft_len(undrafted, r) if fixed_draft is None else fixed_draft
     return tokens_out / seconds_total, lanes_chosen
@@ -100,7 +100,8 @@ def test_cost_model_follows_a_change_in_a_few_steps():
 
 def test_reach_probability_is_per_position_and_optimistic_where_untried():
     estimates = YieldEstimates(max_draft=4, decay=1.0)
-    estimates.observe_step(0, 0, 5, draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2]))
+    estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=5,
+                                  draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2])))
     first = (3 + 0.25) / (4 + 0.25)  # a quarter pseudo-trial at the rate before (1 for the first)
     second = (2 + 0.25 * first) / (4 + 0.25)
     np.testing.assert_allclose(estimates.reach_probability(), [first, second, second, second])

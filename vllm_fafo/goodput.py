@@ -57,11 +57,13 @@ class StepCostModel:
     _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
     _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
     _seen: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=bool))
+    _curve: tuple[np.ndarray, np.ndarray] | None = None  # read once per step, not per question
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
             return  # a step without tokens prices nothing
         self._steps += 1
+        self._curve = None
         point = int(np.abs(np.log(_GRID) - math.log(max(tokens, 1))).argmin())
         stale = self._steps - self._updated_at[point] > self.stale_after
         self._updated_at[point] = self._steps
@@ -77,9 +79,10 @@ class StepCostModel:
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
         """The recent (tokens, seconds) points, seconds made non-decreasing."""
-        recent = self._seen & (self._steps - self._updated_at <= self.forget_after)
-        tokens, seconds = self._tokens[recent], self._seconds[recent]
-        return tokens, np.maximum.accumulate(seconds)
+        if self._curve is None:
+            recent = self._seen & (self._steps - self._updated_at <= self.forget_after)
+            self._curve = self._tokens[recent], np.maximum.accumulate(self._seconds[recent])
+        return self._curve
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:
         """Seconds of a step with ``tokens`` tokens, interpolated between the sizes seen.
@@ -93,6 +96,19 @@ class StepCostModel:
         inside = np.interp(tokens, known_tokens, known_seconds)
         below = known_seconds[0] * tokens / known_tokens[0]
         return np.where(tokens < known_tokens[0], below, inside)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step cost and earned, as the proposer saw it."""
+
+    tokens: int  # in the forward: real + drafts + lanes
+    seconds: float  # from the start of the step to the end of proposing
+    lane_tokens: int
+    lane_accepted: int  # accepted tokens whose candidate a lane filed
+    text_accepted: int  # accepted tokens from the prompt's and output's n-grams
+    draft_lengths: np.ndarray  # the verified drafts, one entry per decoding request
+    accepted_lengths: np.ndarray  # their accepted prefixes
 
 
 @dataclass
@@ -112,24 +128,15 @@ class YieldEstimates:
         self.position_trials = np.zeros(self.max_draft)
         self.position_hits = np.zeros(self.max_draft)
 
-    def observe_step(
-        self,
-        lane_tokens: int,
-        lane_accepted: int,
-        text_accepted: int,
-        draft_lengths: np.ndarray,
-        accepted_lengths: np.ndarray,
-    ) -> None:
-        """One step: tokens the lanes ran, what was accepted (by source), and the
-        verified drafts' lengths and accepted prefixes, one entry per decoding request."""
+    def observe(self, outcome: StepOutcome) -> None:
         d = self.decay
-        self.lane_tokens = d * self.lane_tokens + lane_tokens
-        self.lane_accepted = d * self.lane_accepted + lane_accepted
-        self.decode_rows = d * self.decode_rows + len(draft_lengths)
-        self.text_accepted = d * self.text_accepted + text_accepted
+        self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
+        self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
+        self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
+        self.text_accepted = d * self.text_accepted + outcome.text_accepted
         positions = np.arange(1, self.max_draft + 1)
-        trials = (np.asarray(draft_lengths)[:, None] >= positions).sum(axis=0)
-        hits = (np.asarray(accepted_lengths)[:, None] >= positions).sum(axis=0)
+        trials = (np.asarray(outcome.draft_lengths)[:, None] >= positions).sum(axis=0)
+        hits = (np.asarray(outcome.accepted_lengths)[:, None] >= positions).sum(axis=0)
         self.position_trials = d * self.position_trials + trials
         self.position_hits = d * self.position_hits + hits
 
@@ -179,7 +186,7 @@ class FixedController:
     def choose_draft_len(self, step_tokens: int, decoding_requests: int) -> int:
         return self.max_draft
 
-    def observe_step(self, tokens: int, seconds: float, **yields) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
         return None
 
     def summary(self) -> dict:
@@ -250,18 +257,9 @@ class GoodputController:
         return best
 
     # Learning --------------------------------------------------------------------------
-    def observe_step(
-        self,
-        tokens: int,
-        seconds: float,
-        lane_tokens: int,
-        lane_accepted: int,
-        text_accepted: int,
-        draft_lengths: np.ndarray,
-        accepted_lengths: np.ndarray,
-    ) -> None:
-        self.cost.observe(tokens, seconds)
-        self.yields.observe_step(lane_tokens, lane_accepted, text_accepted, draft_lengths, accepted_lengths)
+    def observe(self, outcome: StepOutcome) -> None:
+        self.cost.observe(outcome.tokens, outcome.seconds)
+        self.yields.observe(outcome)
 
     def summary(self) -> dict:
         tokens, seconds = self.cost.curve()

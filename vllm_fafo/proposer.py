@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
-from vllm_fafo.goodput import make_controller
+from vllm_fafo.goodput import StepOutcome, make_controller
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import NgramPool, Origin
 from vllm_fafo.step_plan import StepPlan
@@ -274,7 +274,7 @@ class FafoProposer:
     def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, lane_accepted: int) -> None:
         """Feed the controller this step's cost and yields; log its state now and then."""
         tail = step.plan.num_tail_tokens if step.plan is not None else 0
-        self.controller.observe_step(
+        self.controller.observe(StepOutcome(
             tokens=step.num_scheduled_tokens + tail,
             seconds=time.perf_counter() - step.started,
             lane_tokens=tail,
@@ -282,7 +282,7 @@ class FafoProposer:
             text_accepted=int(accepted.sum()) - lane_accepted,
             draft_lengths=drafted,
             accepted_lengths=accepted,
-        )
+        ))
         now = time.monotonic()
         if now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now

@@ -20,6 +20,7 @@ from vllm_fafo.goodput import FixedController, GoodputController, StepCostModel,
 LANE_LEN = 4
 MAX_LANES = 16
 MAX_DRAFT = 4
+MAX_KEY_LEN = 4
 
 
 def linear(base_ms: float, per_token_ms: float) -> Callable[[np.ndarray], np.ndarray]:
@@ -36,6 +37,15 @@ class Machine:
     lane_yield: float  # accepted lane tokens per lane token (paid one step later)
     accept: float  # P(draft position accepted | the ones before were)
     requests: int = 1  # decoding requests, all with lanes
+    key_accept: dict[int, float] | None = None
+    """Per matched key length, P(position accepted | the ones before were); request i's
+    drafts are found under the i-th key length, cyclically (None: key length 1, ``accept``)."""
+
+    def acceptance(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's key length and acceptance rate."""
+        table = self.key_accept or {1: self.accept}
+        key_lens = np.array([list(table)[i % len(table)] for i in range(self.requests)])
+        return key_lens, np.array([table[k] for k in key_lens])
 
 
 def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None = None, fixed_draft: int | None = None,
@@ -43,19 +53,20 @@ def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None =
     """Tokens per second realised over ``steps`` steps, and the lanes chosen per step."""
     rng = np.random.default_rng(rng_seed)
     tokens_out, seconds_total, lanes_chosen = 0.0, 0.0, []
-    draft_len, owed_lane_tokens = MAX_DRAFT, 0.0
+    draft_lens, owed_lane_tokens = np.full(machine.requests, MAX_DRAFT), 0.0
     for step in range(steps):
         if change is not None and step == change[0]:
             machine = change[1]
         r = machine.requests
-        real = r * (1 + draft_len)
+        key_lens, accept = machine.acceptance()
+        real = r + int(draft_lens.sum())
         lanes = controller.choose_lanes(real, r, r, MAX_LANES) if fixed_lanes is None else fixed_lanes
         lanes_chosen.append(lanes)
         lane_tokens = lanes * LANE_LEN * r
         n = real + lane_tokens
         seconds = float(machine.cost(n))
         # Acceptance: geometric per position, capped by the draft length.
-        accepted = np.minimum(rng.geometric(1 - machine.accept, size=r) - 1, draft_len) if draft_len else np.zeros(r, int)
+        accepted = np.minimum(rng.geometric(1 - accept) - 1, draft_lens)
         lane_accepted = int(owed_lane_tokens)  # whole tokens; the fraction is owed on
         owed_lane_tokens += lane_tokens * machine.lane_yield - lane_accepted
         produced = r + int(accepted.sum()) + lane_accepted
@@ -63,10 +74,12 @@ def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None =
         seconds_total += seconds
         controller.observe(StepOutcome(
             tokens=n, seconds=seconds, lane_tokens=lane_tokens, lane_accepted=lane_accepted,
-            text_accepted=int(accepted.sum()), draft_lengths=np.full(r, draft_len), accepted_lengths=accepted,
+            text_accepted=int(accepted.sum()), draft_lengths=draft_lens, accepted_lengths=accepted, key_lens=key_lens,
         ))
         undrafted = r + lane_tokens
-        draft_len = controller.choose_draft_len(undrafted, r) if fixed_draft is None else fixed_draft
+        available = np.full(r, MAX_DRAFT)
+        draft_lens = (controller.choose_draft_lens(undrafted, key_lens, available) if fixed_draft is None
+                      else np.full(r, fixed_draft))
     return tokens_out / seconds_total, lanes_chosen
 
 
@@ -99,18 +112,24 @@ def test_cost_model_follows_a_change_in_a_few_steps():
 
 
 def test_reach_probability_is_per_position_and_optimistic_where_untried():
-    estimates = YieldEstimates(max_draft=4, decay=1.0)
+    estimates = YieldEstimates(max_draft=4, max_key_len=4, decay=1.0)
     estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=5,
-                                  draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2])))
+                                  draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2]),
+                                  key_lens=np.array([1, 1, 3, 3])))
     first = (3 + 0.25) / (4 + 0.25)  # a quarter pseudo-trial at the rate before (1 for the first)
     second = (2 + 0.25 * first) / (4 + 0.25)
-    np.testing.assert_allclose(estimates.reach_probability(), [first, second, second, second])
+    overall = np.array([first, second, second, second])
+    np.testing.assert_allclose(estimates.reach_probability(), overall)
     assert estimates.tokens_per_request() == pytest.approx(1 + 5 / 4)
+    # By key length: one pseudo-trial at the overall rate; an unseen key length gets the overall rate.
+    short = np.minimum.accumulate((np.array([1, 0, 0, 0]) + overall) / (np.array([2, 2, 0, 0]) + 1))
+    long = np.minimum.accumulate((np.array([2, 2, 0, 0]) + overall) / (np.array([2, 2, 0, 0]) + 1))
+    np.testing.assert_allclose(estimates.reach_probability(np.array([1, 3, 2])), [short, long, overall])
 
 
 def test_linear_cost_turns_lanes_off():
     machine = Machine(linear(10.0, 2.0), lane_yield=0.02, accept=0.5)  # a lane token earns 0.02, costs 2 ms
-    controller = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes = simulate(machine, controller, 400)
     assert np.mean(np.array(lanes[100:]) > 0) < 0.05  # only the (backed-off) probes
 
@@ -119,10 +138,10 @@ def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_bat
     # A GPU-like step: 10 ms up to 64 tokens, then 0.5 ms per token.
     cost = flat_then_rising(10.0, knee=64, per_token_ms=0.5)
     alone = Machine(cost, lane_yield=0.05, accept=0.5, requests=1)
-    controller = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes_alone = simulate(alone, controller, 300)
     busy = Machine(cost, lane_yield=0.05, accept=0.5, requests=8)
-    controller_busy = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller_busy = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes_busy = simulate(busy, controller_busy, 300)
     typical_alone = int(np.median(lanes_alone[100:]))
     typical_busy = int(np.median(lanes_busy[100:]))
@@ -135,11 +154,11 @@ def test_lanes_go_off_within_bounded_steps_when_they_stop_paying_and_come_back()
     cost = flat_then_rising(10.0, knee=128, per_token_ms=0.5)
     paying = Machine(cost, lane_yield=0.05, accept=0.5)
     useless = Machine(linear(10.0, 2.0), lane_yield=0.0, accept=0.5)
-    controller = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes = simulate(paying, controller, 600, change=(200, useless))
     assert np.median(lanes[100:200]) > 0
     assert np.mean(np.array(lanes[260:]) > 0) < 0.05
-    controller = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes = simulate(useless, controller, 2000, change=(300, paying))
     assert np.median(lanes[200:300]) == 0
     # Back on within the longest probe interval (1024 steps) and one probe burst.
@@ -148,14 +167,29 @@ def test_lanes_go_off_within_bounded_steps_when_they_stop_paying_and_come_back()
 
 
 def test_draft_length_full_when_tokens_are_free_and_cut_when_they_cost_more_than_they_earn():
-    free = GoodputController(LANE_LEN, MAX_DRAFT)
+    free = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     simulate(Machine(flat_then_rising(10.0, 256, 0.5), lane_yield=0.0, accept=0.3), free, 200)
     assert free.last.draft_len == MAX_DRAFT
-    costly = GoodputController(LANE_LEN, MAX_DRAFT)
+    costly = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     simulate(Machine(linear(1.0, 1.0), lane_yield=0.0, accept=0.3), costly, 200)
     # Each draft token costs as much as a plain step's whole token; position k pays
     # only while 0.3 ** k beats the goodput it dilutes: the first position at most.
     assert costly.last.draft_len <= 1
+
+
+def test_drafts_found_under_longer_keys_run_longer_when_tokens_cost():
+    # Two requests: one's drafts come from 1-token keys (accepted 20 %), the other's
+    # from 4-token keys (accepted 90 %). Each draft token costs a tenth of a step.
+    machine = Machine(linear(10.0, 1.0), lane_yield=0.0, accept=0.0, requests=2, key_accept={1: 0.2, 4: 0.9})
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+    simulate(machine, controller, 400)
+    lengths = controller.choose_draft_lens(2, np.array([1, 4]), np.full(2, MAX_DRAFT))
+    assert lengths[0] == 0 and lengths[1] == MAX_DRAFT
+    # Shorter drafts are kept as found: the controller never lengthens one.
+    assert controller.choose_draft_lens(2, np.array([1, 4]), np.array([0, 2])).tolist() == [0, 2]
+    # Per-request lengths beat the best single length shared by both requests.
+    got, _ = simulate(machine, GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN), 3000)
+    assert got > 1.02 * best_fixed(machine, 3000)
 
 
 @pytest.mark.parametrize(
@@ -173,14 +207,14 @@ def test_draft_length_full_when_tokens_are_free_and_cut_when_they_cost_more_than
     ids=["cpu-like", "cheap-tokens", "gpu-like", "gpu-like-batch8", "nothing-pays"],
 )
 def test_realised_goodput_near_the_best_fixed_setting(machine, share):
-    controller = GoodputController(LANE_LEN, MAX_DRAFT)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     got, _ = simulate(machine, controller, 3000)
     assert got >= share * best_fixed(machine, 3000)
 
 
 def test_fixed_keeps_the_configured_sizes():
-    fixed = make_controller("fixed", LANE_LEN, MAX_DRAFT)
+    fixed = make_controller("fixed", LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     assert fixed.choose_lanes(5, 1, 1, 7) == 7
-    assert fixed.choose_draft_len(5, 1) == MAX_DRAFT
+    assert fixed.choose_draft_lens(5, np.array([1, 2]), np.array([MAX_DRAFT, 2])).tolist() == [MAX_DRAFT, 2]
     with pytest.raises(ValueError, match="allowed: goodput, fixed"):
-        make_controller("greedy", LANE_LEN, MAX_DRAFT)
+        make_controller("greedy", LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)

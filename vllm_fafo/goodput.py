@@ -11,9 +11,18 @@ drafts when nothing pays. Everything is learned from the engine's own steps:
 - :class:`StepCostModel`: seconds per step against tokens in the forward,
   one decayed mean per point of a geometric grid of token counts, read as a
   monotone piecewise-linear curve (no hardware table).
-- :class:`YieldEstimates`: decayed acceptance per draft position, accepted
-  tokens per decoding request from text n-grams, and accepted lane-n-gram
-  tokens per lane token run.
+- :class:`YieldEstimates`: decayed acceptance per draft position and matched
+  key length, accepted tokens per decoding request from text n-grams, and
+  accepted lane-n-gram tokens per lane token run.
+
+Draft lengths are chosen per request from the candidate's support (suffix
+decoding's rule, learned): every draft token has an estimated probability of
+being accepted, from its position and the length of the key its draft was
+found under; the controller keeps the most likely tokens of the whole batch,
+as many as maximise expected accepted tokens per second. A draft found under
+a long key runs long, one found under a single token is cut early, and where
+tokens are free on this machine every request drafts up to
+``num_speculative_tokens``.
 
 Exploration: the cost model extrapolates flat past the largest token count it
 has seen (so untried sizes look cheap and get tried once), and with lanes or
@@ -109,6 +118,7 @@ class StepOutcome:
     text_accepted: int  # accepted tokens from the prompt's and output's n-grams
     draft_lengths: np.ndarray  # the verified drafts, one entry per decoding request
     accepted_lengths: np.ndarray  # their accepted prefixes
+    key_lens: np.ndarray  # length of the key each verified draft was found under (0: none)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class YieldEstimates:
     """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps)."""
 
     max_draft: int
+    max_key_len: int
     decay: float = 0.98
     lane_tokens: float = 0.0
     lane_accepted: float = 0.0
@@ -125,8 +136,9 @@ class YieldEstimates:
     position_hits: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.position_trials = np.zeros(self.max_draft)
-        self.position_hits = np.zeros(self.max_draft)
+        shape = (self.max_key_len + 1, self.max_draft)  # by matched key length, then position
+        self.position_trials = np.zeros(shape)
+        self.position_hits = np.zeros(shape)
 
     def observe(self, outcome: StepOutcome) -> None:
         d = self.decay
@@ -135,10 +147,11 @@ class YieldEstimates:
         self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
         positions = np.arange(1, self.max_draft + 1)
-        trials = (np.asarray(outcome.draft_lengths)[:, None] >= positions).sum(axis=0)
-        hits = (np.asarray(outcome.accepted_lengths)[:, None] >= positions).sum(axis=0)
-        self.position_trials = d * self.position_trials + trials
-        self.position_hits = d * self.position_hits + hits
+        key_lens = np.minimum(np.asarray(outcome.key_lens, dtype=np.int64), self.max_key_len)
+        self.position_trials *= d
+        self.position_hits *= d
+        np.add.at(self.position_trials, key_lens, np.asarray(outcome.draft_lengths)[:, None] >= positions)
+        np.add.at(self.position_hits, key_lens, np.asarray(outcome.accepted_lengths)[:, None] >= positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run (0 before any lane ran)."""
@@ -148,25 +161,35 @@ class YieldEstimates:
         """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
         return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
 
-    def reach_probability(self) -> np.ndarray:
-        """P(positions 1..k all accepted | position k drafted), k = 1..max_draft, non-increasing.
+    def reach_probability(self, key_lens: np.ndarray | None = None) -> np.ndarray:
+        """P(positions 1..k all accepted | position k drafted), k = 1..max_draft, non-increasing:
+        over all drafts, or (one row each) for drafts found under keys of ``key_lens`` tokens.
 
-        Each position's rate is smoothed with a quarter of a pseudo-trial at the
-        rate of the position before it (1 for the first), so a position seldom
-        drafted is judged like its neighbour until its own evidence outweighs that,
-        and one left undrafted long enough (its decayed trials gone) is tried again."""
+        Over all drafts, each position's rate is smoothed with a quarter of a
+        pseudo-trial at the rate of the position before it (1 for the first), so a
+        position seldom drafted is judged like its neighbour until its own evidence
+        outweighs that, and one left undrafted long enough (its decayed trials gone)
+        is tried again. A key length's rate is smoothed with one pseudo-trial at
+        the rate over all drafts: a key length seldom seen is judged like the rest."""
         rate = np.ones(self.max_draft)
         prior, weight = 1.0, 0.25
+        trials, hits = self.position_trials.sum(axis=0), self.position_hits.sum(axis=0)
         for k in range(self.max_draft):  # max_draft is small (<= 64)
-            rate[k] = (self.position_hits[k] + weight * prior) / (self.position_trials[k] + weight)
+            rate[k] = (hits[k] + weight * prior) / (trials[k] + weight)
             prior = rate[k]
-        return np.minimum.accumulate(rate)
+        overall = np.minimum.accumulate(rate)
+        if key_lens is None:
+            return overall
+        by_key = (self.position_hits + overall) / (self.position_trials + 1.0)
+        by_key = np.minimum.accumulate(by_key, axis=1)
+        return by_key[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
 
 
 @dataclass
 class Decision:
     lanes: int
-    draft_len: int
+    draft_len: int  # the longest draft of the last step
+    mean_draft_len: float = 0.0
     probe: bool = False
 
 
@@ -183,8 +206,9 @@ class FixedController:
         self.last.lanes = max_lanes
         return max_lanes
 
-    def choose_draft_len(self, step_tokens: int, decoding_requests: int) -> int:
-        return self.max_draft
+    def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
+        return np.asarray(available, dtype=np.int64)
 
     def observe(self, outcome: StepOutcome) -> None:
         return None
@@ -202,6 +226,7 @@ class GoodputController:
         self,
         lane_len: int,
         max_draft: int,
+        max_key_len: int,
         probe_interval: int = 16,
         max_probe_interval: int = 1024,
         probe_burst: int = 4,
@@ -210,10 +235,10 @@ class GoodputController:
         self.lane_len = lane_len
         self.max_draft = max_draft
         self.cost = StepCostModel()
-        self.yields = YieldEstimates(max_draft, decay)
+        self.yields = YieldEstimates(max_draft, max_key_len, decay)
         self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
         self._draft_probe = _Probe(probe_interval, max_probe_interval)
-        self.last = Decision(0, max_draft)
+        self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
@@ -237,24 +262,33 @@ class GoodputController:
         self.last.lanes, self.last.probe = best, probe
         return best
 
-    def choose_draft_len(self, step_tokens: int, decoding_requests: int) -> int:
-        """Draft length for every request of the next step: position k is drafted while
-        its acceptance probability pays for the token it adds at the current goodput."""
-        if decoding_requests <= 0 or not self.cost.has_data:
-            return self.max_draft
-        reach = self.yields.reach_probability()  # P(the first k all accepted)
-        seconds = self.cost.predict(step_tokens)
-        extra = self.cost.predict(step_tokens + decoding_requests * np.arange(1, self.max_draft + 1)) - seconds
-        # Drafting k per request: R * (1 + sum reach[:k]) tokens in seconds + extra[k-1].
-        gains = decoding_requests * (1.0 + np.concatenate([[0.0], np.cumsum(reach)]))
-        rates = gains / (seconds + np.concatenate([[0.0], extra]))
+    def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """Draft length per request for the next step (at most ``available``, the draft
+        each found): the batch's draft tokens most likely to be accepted, as many as
+        maximise expected accepted tokens per second.
+
+        A request's token at position k is worth P(positions 1..k accepted) given
+        its key length; the step with the n best tokens yields (requests + their
+        sum) tokens in predict(step_tokens + n) seconds."""
+        available = np.asarray(available, dtype=np.int64)
+        if not len(available) or not self.cost.has_data:
+            return available
+        reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
+        worth = np.where(np.arange(self.max_draft) < available[:, None], reach, -1.0).ravel()
+        order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
+        order = order[worth[order] >= 0]
+        gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
+        rates = gains / self.cost.predict(step_tokens + np.arange(len(order) + 1))
         best = int(rates.argmax())
-        probe = best == 0 and self._draft_probe.due()
-        if probe:
-            best = 1
+        probe = best == 0 and len(order) > 0 and self._draft_probe.due()
         self._draft_probe.step(chosen=best > 0, probe=probe)
-        self.last.draft_len = best
-        return best
+        if probe:
+            lengths = np.minimum(available, 1)
+        else:
+            lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
+        self.last.draft_len = int(lengths.max())
+        self.last.mean_draft_len = float(lengths.mean())
+        return lengths
 
     # Learning --------------------------------------------------------------------------
     def observe(self, outcome: StepOutcome) -> None:
@@ -267,6 +301,7 @@ class GoodputController:
             "controller": self.name,
             "lanes": self.last.lanes,
             "draft_len": self.last.draft_len,
+            "mean_draft_len": round(self.last.mean_draft_len, 3),
             "lane_yield": self.yields.lane_yield(),
             "tokens_per_request": self.yields.tokens_per_request(),
             "reach_probability": self.yields.reach_probability().round(4).tolist(),
@@ -306,9 +341,9 @@ class _Probe:
             self.steps_off += 1
 
 
-def make_controller(name: str, lane_len: int, max_draft: int) -> FixedController | GoodputController:
+def make_controller(name: str, lane_len: int, max_draft: int, max_key_len: int) -> FixedController | GoodputController:
     if name == "fixed":
         return FixedController(max_draft)
     if name == "goodput":
-        return GoodputController(lane_len, max_draft)
+        return GoodputController(lane_len, max_draft, max_key_len)
     raise ValueError(f"unknown controller {name!r}; allowed: {', '.join(CONTROLLERS)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from enum import Enum
+from typing import NamedTuple
 
 
 class Origin(str, Enum):
@@ -34,6 +35,15 @@ class Origin(str, Enum):
 
 
 Candidate = tuple[int, ...]
+
+
+class Match(NamedTuple):
+    """A lookup's answer: the candidate, where it came from, and the length of the
+    key it was found under (the goodput controller's evidence for how far to draft)."""
+
+    candidate: Candidate
+    origin: Origin
+    key_len: int
 
 
 class NgramPool:
@@ -87,6 +97,11 @@ class NgramPool:
                 entries.popitem(last=False)
 
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
+        """Most recently used candidate under the longest matching suffix, and its origin."""
+        found = self.match(context)
+        return None if found is None else (found.candidate, found.origin)
+
+    def match(self, context: Sequence[int]) -> Match | None:
         """Most recently used candidate under the longest matching suffix.
 
         The key's recency is refreshed; the candidate's only with
@@ -101,7 +116,7 @@ class NgramPool:
                 candidate, origin = next(reversed(entries.items()))
                 if self.touch_on_lookup:
                     entries.move_to_end(candidate)
-                return candidate, origin
+                return Match(candidate, origin, key_len)
         return None
 
     def candidates(self, key: Sequence[int]) -> list[Candidate]:

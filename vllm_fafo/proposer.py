@@ -39,7 +39,7 @@ from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
 from vllm_fafo.metrics import FafoMetrics
-from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.pool import Match, NgramPool, Origin
 from vllm_fafo.step_plan import StepPlan
 
 logger = init_logger(__name__)
@@ -58,6 +58,8 @@ class RequestState:
     """First history position whose following n-gram is not filed yet."""
     last_draft_origins: list[Origin] = field(default_factory=list)
     """Where each token of the last draft came from."""
+    last_key_len: int = 0
+    """Length of the key the last draft was found under (0: no draft)."""
 
 
 def file_ngrams(
@@ -124,7 +126,8 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
-        self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens)
+        self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
+                                          self.config.max_key_len)
         self._last_log = time.monotonic()
         self._requests: dict[str, RequestState] = {}
         self.step: FafoStep | None = None
@@ -241,15 +244,12 @@ class FafoProposer:
             )
         self.metrics.propose_calls += 1
         num_rows = len(sampled_token_ids)
-        drafted, accepted = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
+        drafted, accepted, key_lens = (np.zeros(num_rows, np.int64) for _ in range(3))
         decoding = np.zeros(num_rows, dtype=bool)
         lane_accepted = 0
-        num_decoding = sum(1 for sampled in sampled_token_ids if sampled)
-        draft_len = self.controller.choose_draft_len(self._undrafted_tokens(step), num_decoding)
-        drafts: list[list[int]] = []
+        found: list[tuple[RequestState, list[int], list[Origin], int]] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
-                drafts.append([])
                 continue
             num_tokens = int(num_tokens_no_spec[row])
             history = token_ids_cpu[row]
@@ -258,10 +258,22 @@ class FafoProposer:
             self.metrics.record_acceptance(accepted_origins)
             decoding[row] = True
             drafted[row], accepted[row] = len(state.last_draft_origins), len(accepted_origins)
+            key_lens[row] = state.last_key_len
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             self._file_new_ngrams(state, history, num_tokens)
-            drafts.append(self._draft(state, history, num_tokens, draft_len))
-        self._learn(step, drafted[decoding], accepted[decoding], lane_accepted)
+            found.append((state, *self._draft(state, history, num_tokens)))
+        self._learn(step, drafted[decoding], accepted[decoding], key_lens[decoding], lane_accepted)
+        lengths = self.controller.choose_draft_lens(
+            self._undrafted_tokens(step),
+            np.array([key_len for *_, key_len in found], dtype=np.int64),
+            np.array([len(draft) for _, draft, _, _ in found], dtype=np.int64),
+        )
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        for row, (state, draft, origins, key_len), length in zip(np.flatnonzero(decoding), found, lengths.tolist()):
+            drafts[row] = draft[:length]
+            state.last_draft_origins = origins[:length]
+            state.last_key_len = key_len if length else 0
+            self.metrics.record_draft(state.last_draft_origins)
         return drafts
 
     def _undrafted_tokens(self, step: FafoStep) -> int:
@@ -271,7 +283,8 @@ class FafoProposer:
         tail = step.plan.num_tail_tokens if step.plan is not None else 0
         return step.num_scheduled_tokens - drafts + tail
 
-    def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, lane_accepted: int) -> None:
+    def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, key_lens: np.ndarray,
+               lane_accepted: int) -> None:
         """Feed the controller this step's cost and yields; log its state now and then."""
         tail = step.plan.num_tail_tokens if step.plan is not None else 0
         self.controller.observe(StepOutcome(
@@ -282,15 +295,17 @@ class FafoProposer:
             text_accepted=int(accepted.sum()) - lane_accepted,
             draft_lengths=drafted,
             accepted_lengths=accepted,
+            key_lens=key_lens,
         ))
         now = time.monotonic()
         if now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
             summary = self.controller.summary()
             logger.info(
-                "vllm-fafo %s controller: lanes per request %d (of %d), draft length %d (of %d)%s",
+                "vllm-fafo %s controller: lanes per request %d (of %d), draft length up to %d (of %d), "
+                "mean %.2f%s",
                 summary["controller"], summary["lanes"], self.config.num_lanes, summary["draft_len"],
-                self.num_speculative_tokens,
+                self.num_speculative_tokens, summary.get("mean_draft_len", summary["draft_len"]),
                 "" if "lane_yield" not in summary else
                 f", lane yield {summary['lane_yield']:.4f} accepted per lane token, "
                 f"{summary['tokens_per_request']:.2f} tokens per request-step without lanes",
@@ -338,24 +353,25 @@ class FafoProposer:
         )
         state.next_anchor = stop_anchor
 
-    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int, draft_len: int) -> list[int]:
-        """Chain candidates until ``draft_len`` tokens or no key matches: the
-        request's pool first, then the frozen table (Cacheback Sec. 3.3)."""
-        room = min(draft_len, self.max_model_len - num_tokens)
+    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> tuple[list[int], list[Origin], int]:
+        """Chain candidates until ``num_speculative_tokens`` tokens or no key matches: the
+        request's pool first, then the frozen table (Cacheback Sec. 3.3). Returns the
+        draft, each token's origin, and the length of the key the first candidate was
+        found under (the controller cuts the draft by it)."""
+        room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
         draft: list[int] = []
         origins: list[Origin] = []
+        first_key_len = 0
         while len(draft) < room:
-            found = state.pool.lookup(context)
+            found: Match | None = state.pool.match(context)
             if found is None and self.frozen is not None:
-                found = self.frozen.lookup(context)
+                found = self.frozen.match(context)
             if found is None:
                 break
-            candidate, origin = found
-            piece = list(candidate[: room - len(draft)])
+            first_key_len = first_key_len or found.key_len
+            piece = list(found.candidate[: room - len(draft)])
             draft += piece
-            origins += [origin] * len(piece)
+            origins += [found.origin] * len(piece)
             context = (context + piece)[-self.config.max_key_len :]
-        state.last_draft_origins = origins
-        self.metrics.record_draft(origins)
-        return draft
+        return draft, origins, first_key_len

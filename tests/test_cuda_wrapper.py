@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from tests.test_compression import assert_reader_returns
-from tests.test_region import HK, HQ, SCALE, D, Request, run_simulation
+from tests.test_region import HK, HQ, SCALE, D, Request, off_and_on, run_simulation
 from vllm_fafo.attention.cuda import FafoFlashAttentionBackend, FafoFlashAttentionImpl
 from vllm_fafo.attention.lane_impl import LaneAttentionMixin
 from vllm_fafo.attention.paged_kv import LogicalPagedKV, PagedKVLayoutError
@@ -122,6 +122,17 @@ def test_flash_wrapper_matches_dense_reference(policy, layout, no_flash_kernel):
     assert checked > 0
     assert policy.name in ("streaming", "none") or any(chosen for chosen in selected.values())
     assert layer.impl._layout_checked == policy.reads_paged_kv
+
+
+def test_flash_wrapper_catches_its_region_up_from_the_flash_cache(no_flash_kernel):
+    """Steps without lanes skip the region; the next lane step reads the missed
+    positions back through the wrapper's own reader (streaming reads for nothing else)."""
+    policy = StreamingPolicy(2, 16, StreamingPolicy.Settings())
+    requests = [Request(f"r{i}", n, seed=60 + i) for i, n in enumerate([9, 45, 23])]
+    layer = FlashWrapperLayer(requests, KVCacheLayout.LBNHC, seed=10)
+    checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2, max_drafts=4,
+                                steps=40, seed=13, layer=layer, lanes_for=off_and_on(3))
+    assert checked > 0 and layer.impl._layout_checked
 
 
 @pytest.mark.parametrize(

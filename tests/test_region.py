@@ -152,8 +152,11 @@ class DirectLayer:
 
 
 def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed,
-                   reference=None, layer=None, dtype=torch.float32):
-    """``layer`` runs one attention layer's step (``DirectLayer`` by default);
+                   reference=None, layer=None, dtype=torch.float32, lanes_for=None):
+    """``lanes_for`` chooses the lanes of each step as the goodput controller would;
+    with it, steps that run no lanes skip the region's upkeep (``park_when_off``) and
+    a region is only checked in the steps its lanes run.
+    ``layer`` runs one attention layer's step (``DirectLayer`` by default);
     ``writes`` tells it which batch tokens are real: (batch row, batch start,
     first position, count). With a 16-bit ``dtype`` every input is rounded to
     it first, so references and policies see the same values, and only the
@@ -168,7 +171,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
     layout = policy.layout
     lanes = FumbleLanes(
         num_lanes=num_lanes, lane_len=lane_len, max_key_len=3, max_drafts=max_drafts,
-        max_model_len=4096, region_rows=len(requests) + 1, policy=policy,
+        max_model_len=4096, region_rows=len(requests) + 1, policy=policy, park_when_off=lanes_for is not None,
     )
     layer.allocate(policy, lanes.region_rows, max_drafts, dtype)
     checked_lane_tokens = 0
@@ -202,7 +205,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             req_ids=[r.req_id for r in requests], query_start_loc=np.array(qsl),
             num_computed_tokens=np.array(firsts), num_drafts=drafts,
             num_tokens=num_real, capacity=10_000,
-        ))
+        ), lanes_for)
         ids = plan.tail_ids
         key = rounded(torch.cat(keys + [torch.randn(len(ids), HK, D)]))
         value = rounded(torch.cat(values + [torch.randn(len(ids), HK, D)]))
@@ -229,12 +232,13 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
                 chosen = reference(req, last + 1, query[rows], lane_steps[req.req_id])
                 if chosen is not None:
                     selected[req.req_id] = chosen
+            parked = lanes.park_when_off and tail is None and not req.prefilling
             # Sink and ring == sinks + latest window of the true KV up to `last`.
             ring_and_sink = {}
             for p in range(last + 1):
                 ring_and_sink[int(layout.slots([p])[0])] = p
             base = row * layout.kv_budget
-            for slot, p in ring_and_sink.items():
+            for slot, p in ([] if parked else ring_and_sink.items()):
                 torch.testing.assert_close(region.key[base + slot].float(), req.true_k[p], rtol=0, atol=0)
                 torch.testing.assert_close(region.value[base + slot].float(), req.true_v[p], rtol=0, atol=0)
             # Selected part == the reference's choice, per KV head.
@@ -324,6 +328,50 @@ def test_full_cache_lanes_match_dense_reference():
     checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2,
                                 max_drafts=4, steps=20, seed=11)
     assert checked > 0
+
+
+def off_and_on(seed: int, on_share: float = 0.4):
+    """A lane chooser that turns lanes off and on at random, as the goodput controller may."""
+    rng = np.random.default_rng(seed)
+    return lambda real, lane_requests, decoding, most: most if rng.random() < on_share else 0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        StreamingPolicy(4, 32, StreamingPolicy.Settings()),
+        StreamingPolicy(0, 12, StreamingPolicy.Settings()),
+        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=3, recent_tokens=8)),
+        SnapKVPolicy(2, 24, SnapKVSettings(window=4, kernel=1, recent_tokens=8)),
+    ],
+    ids=["streaming", "streaming-no-sinks", "quest", "snapkv"],
+)
+def test_region_caught_up_from_the_paged_cache_after_steps_without_lanes(policy):
+    # Sinks longer than some prompts: positions decoded while parked can fall in the sink.
+    requests = [Request(f"r{i}", n, seed=70 + i) for i, n in enumerate([3, 40, 23])]
+    checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2, max_drafts=4,
+                                steps=60, seed=12, lanes_for=off_and_on(5))
+    assert checked > 0
+
+
+def test_steps_without_lanes_skip_the_region_and_the_next_lane_step_catches_up():
+    policy = StreamingPolicy(2, 8, StreamingPolicy.Settings())  # ring of 6 slots
+    lanes = FumbleLanes(num_lanes=2, lane_len=2, max_key_len=2, max_drafts=2,
+                        max_model_len=4096, region_rows=2, policy=policy, park_when_off=True)
+    lanes.plan_step(BatchView(["a"], np.array([0, 5]), np.array([0]), [0], 5, 100))  # prompt 0..4
+    lanes.start_lanes("a", [1, 2, 3, 4, 5])
+    off, on = (lambda *args: 0), (lambda *args: 2)
+    for first_pos in range(5, 14):  # nine decode steps without lanes
+        plan = lanes.plan_step(BatchView(["a"], np.array([0, 1]), np.array([first_pos]), [0], 1, 100), off)
+        assert not plan.has_region_work and plan.num_tail_tokens == 0
+    plan = lanes.plan_step(BatchView(["a"], np.array([0, 1]), np.array([14]), [0], 1, 100), on)
+    (catch_up,) = plan.catch_up
+    assert catch_up.positions.tolist() == [9, 10, 11, 12, 13]  # 14 takes the oldest ring slot
+    assert catch_up.dst.tolist() == policy.layout.slots(np.arange(9, 14)).tolist()
+    assert plan.write_dst.tolist() == policy.layout.slots(np.array([14])).tolist()
+    assert plan.num_tail_tokens == 2 * 2
+    plan = lanes.plan_step(BatchView(["a"], np.array([0, 1]), np.array([15]), [0], 1, 100), on)
+    assert plan.catch_up == ()  # in step again
 
 
 def test_lanes_shrink_to_fit_the_free_token_slots():

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from vllm_fafo.compression import CompressionPolicy
 from vllm_fafo.lanes import LaneState
-from vllm_fafo.step_plan import PrefillChunk, RequestTail, StepPlan
+from vllm_fafo.step_plan import PrefillChunk, RegionCatchUp, RequestTail, StepPlan
 
 logger = init_logger(__name__)
 
@@ -52,6 +52,19 @@ class _RequestLanes:
     lanes: LaneState | None = None
     num_drafts_staged: int = 0  # drafts of the last decode step, staged
     staged_x_pos: int = -1  # position of that step's input token
+    region_end: int = 0  # positions before it are in the region's sink and ring parts
+
+
+@dataclass
+class _Row:
+    """One request of the batch that holds a region."""
+
+    row: int
+    start: int  # batch index of its first token
+    end: int
+    first_pos: int  # position of its first token
+    state: _RequestLanes
+    is_decode: bool  # one known token plus drafts (else: a prompt chunk, all known)
 
 
 @dataclass
@@ -64,6 +77,11 @@ class FumbleLanes:
     region_rows: int
     policy: CompressionPolicy
     stagger_lanes: bool = False
+    park_when_off: bool = False
+    """In steps that run no lanes, decoding requests skip the region's upkeep, and
+    the positions missed are read back from the paged cache when lanes run again
+    (needs a paged-KV reader; the goodput controller keeps lanes off for long
+    stretches where they do not pay)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
@@ -90,46 +108,46 @@ class FumbleLanes:
 
         ``lanes_for`` (the goodput controller) picks the lanes per request, at
         most what the free token slots allow; None: that maximum."""
-        commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
-        new_rows, prefill_chunks, decode_rows = [], [], []
+        rows, new_rows = self._rows_with_region(batch)
+        decode_rows = [r for r in rows if r.is_decode]
+        active = self._active_lanes(batch, len(decode_rows), lanes_for)
+        park = self.park_when_off and active == 0
         layout = self.policy.layout
-        for row, req_id in enumerate(batch.req_ids):
-            start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
-            first_pos = int(batch.num_computed_tokens[row])
-            state = self._requests.get(req_id)
-            if state is None:
-                if first_pos != 0 or not self._free_rows:
-                    continue  # no region for it: the request runs pool-only
-                state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
-                new_rows.append(state.region_row)
+        commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
+        prefill_chunks, catch_up = [], []
+        for r in rows:
+            state = r.state
             base = state.region_row * layout.kv_budget
             staged_base = state.region_row * self.max_drafts
-            num_drafts = int(batch.num_drafts[row])
-            is_decode = state.lanes is not None and num_drafts + 1 == end - start
-            # Drafts of the last decode step that vLLM accepted: the request
-            # advanced by 1 + accepted tokens since then.
-            accepted = min(max(first_pos - state.staged_x_pos - 1, 0), state.num_drafts_staged)
-            if is_decode and accepted:
-                commit_src.extend(range(staged_base, staged_base + accepted))
-                commit_dst.extend(
-                    (base + layout.slots(np.arange(first_pos - accepted, first_pos))).tolist()
-                )
-            if is_decode:
-                known = 1  # x; the drafts behind it are only staged
-                stage_src.extend(range(start + 1, end))
-                stage_dst.extend(range(staged_base, staged_base + num_drafts))
-                state.num_drafts_staged, state.staged_x_pos = num_drafts, first_pos
-                decode_rows.append((row, start, req_id, state, first_pos))
-            else:
-                known = end - start
+            if r.is_decode and park:  # no upkeep; caught up when lanes run again
                 state.num_drafts_staged, state.staged_x_pos = 0, -1
-                prefill_chunks.append(PrefillChunk(state.region_row, start, end, first_pos))
-            positions = first_pos + np.arange(known)
+                continue
+            if r.is_decode:
+                # Drafts of the last decode step that vLLM accepted: the request
+                # advanced by 1 + accepted tokens since then.
+                accepted = min(max(r.first_pos - state.staged_x_pos - 1, 0), state.num_drafts_staged)
+                if accepted:
+                    commit_src.extend(range(staged_base, staged_base + accepted))
+                    commit_dst.extend((base + layout.slots(np.arange(r.first_pos - accepted, r.first_pos))).tolist())
+                    state.region_end = r.first_pos
+                if state.region_end < r.first_pos:
+                    catch_up.append(self._catch_up(r, base))
+                known = 1  # x; the drafts behind it are only staged
+                num_drafts = r.end - r.start - 1
+                stage_src.extend(range(r.start + 1, r.end))
+                stage_dst.extend(range(staged_base, staged_base + num_drafts))
+                state.num_drafts_staged, state.staged_x_pos = num_drafts, r.first_pos
+            else:
+                known = r.end - r.start
+                state.num_drafts_staged, state.staged_x_pos = 0, -1
+                prefill_chunks.append(PrefillChunk(state.region_row, r.start, r.end, r.first_pos))
+            positions = r.first_pos + np.arange(known)
             keep = layout.surviving_writes(positions)
-            write_src.extend((start + keep).tolist())
+            write_src.extend((r.start + keep).tolist())
             write_dst.extend((base + layout.slots(positions[keep])).tolist())
+            state.region_end = r.first_pos + known
 
-        tails, ids, positions = self._layout_tails(batch, decode_rows, lanes_for)
+        tails, ids, positions = self._layout_tails(batch, decode_rows, active)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         sink_ring_valid = layout.filled_sink_and_ring([tail.num_final for tail in tails])
         return StepPlan(
@@ -143,33 +161,67 @@ class FumbleLanes:
             tail_sink_ring_valid=torch.from_numpy(sink_ring_valid).to(self.device),
             tail_ids=ids,
             tail_positions=positions,
+            catch_up=tuple(catch_up),
         )
 
-    def _layout_tails(
-        self, batch: BatchView, decode_rows, lanes_for: LaneChooser | None
-    ) -> tuple[list[RequestTail], np.ndarray, np.ndarray]:
+    def _rows_with_region(self, batch: BatchView) -> tuple[list[_Row], list[int]]:
+        """The batch's requests that hold a region (a new one takes a free row at
+        its first prefill chunk), and the region rows taken this step."""
+        rows, new_rows = [], []
+        for row, req_id in enumerate(batch.req_ids):
+            start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
+            first_pos = int(batch.num_computed_tokens[row])
+            state = self._requests.get(req_id)
+            if state is None:
+                if first_pos != 0 or not self._free_rows:
+                    continue  # no region for it: the request runs pool-only
+                state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
+                new_rows.append(state.region_row)
+            is_decode = state.lanes is not None and int(batch.num_drafts[row]) + 1 == end - start
+            rows.append(_Row(row, start, end, first_pos, state, is_decode))
+        return rows, new_rows
+
+    def _catch_up(self, r: _Row, base: int) -> RegionCatchUp:
+        """The sink and ring slots of positions region_end..first_pos-1, which the
+        region missed while the request's lanes were off (x, at first_pos, is
+        written this step and takes the oldest ring slot)."""
+        layout = self.policy.layout
+        lo, hi = r.state.region_end, r.first_pos
+        sinks = np.arange(lo, min(hi, layout.sink_tokens))
+        ring = np.arange(max(lo, layout.sink_tokens, hi - layout.ring_slots + 1), hi)
+        positions = np.concatenate([sinks, ring])
+        as_index = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=self.device)
+        return RegionCatchUp(r.row, as_index(positions), as_index(base + layout.slots(positions)))
+
+    def _active_lanes(self, batch: BatchView, num_decode_rows: int, lanes_for: LaneChooser | None) -> int:
         """Lanes per request: at most min(num_lanes, free token slots / decoding requests)."""
         free = batch.capacity - batch.num_tokens
-        if not decode_rows or free < self.lane_len:
-            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
-        active = min(self.num_lanes, free // (len(decode_rows) * self.lane_len))
+        if not num_decode_rows or free < self.lane_len:
+            return 0
+        active = min(self.num_lanes, free // (num_decode_rows * self.lane_len))
         if lanes_for is not None and active > 0:
-            active = min(active, lanes_for(batch.num_tokens, len(decode_rows), batch.num_decoding, active))
+            active = min(active, lanes_for(batch.num_tokens, num_decode_rows, batch.num_decoding, active))
+        return active
+
+    def _layout_tails(
+        self, batch: BatchView, decode_rows: list[_Row], active: int
+    ) -> tuple[list[RequestTail], np.ndarray, np.ndarray]:
+        """``active`` lanes for every decoding request with a region, back to back behind the batch."""
         if active == 0:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         tails, all_ids, all_pos = [], [], []
         offset = batch.num_tokens
-        for row, x_index, req_id, state, x_pos in decode_rows:
-            ids, pos = state.lanes.tail(active, x_pos, self.max_model_len - 1)
+        for r in decode_rows:
+            ids, pos = r.state.lanes.tail(active, r.first_pos, self.max_model_len - 1)
             tail = RequestTail(
-                req_id=req_id,
-                region_row=state.region_row,
-                batch_row=row,
-                x_index=x_index,
+                req_id=batch.req_ids[r.row],
+                region_row=r.state.region_row,
+                batch_row=r.row,
+                x_index=r.start,
                 tail_start=offset,
                 active_lanes=active,
                 lane_len=self.lane_len,
-                num_final=x_pos + 1,
+                num_final=r.first_pos + 1,
             )
             tails.append(tail)
             all_ids.append(ids)

@@ -25,6 +25,9 @@ class FafoMetrics:
     propose_calls: int = 0
     tail_tokens: int = 0
     """Fumble-lane tokens run behind the real tokens, summed over steps."""
+    caught_up_positions: int = 0
+    """Region positions read back from the paged cache because the request's
+    lanes were off when they were decoded (goodput controller)."""
     lookups: int = 0
     pool_hits: int = 0
     requests_started: int = 0

@@ -34,6 +34,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
+from vllm_fafo.attention.paged_kv import paged_kv_readable
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
@@ -148,6 +149,7 @@ class FafoProposer:
                 region_rows=region.rows,
                 policy=region.policy,
                 stagger_lanes=self.config.stagger_lanes,
+                park_when_off=self.config.controller == "goodput" and paged_kv_readable(vllm_config),
                 device=vllm_config.device_config.device,
             )
 
@@ -173,6 +175,7 @@ class FafoProposer:
         if batch.num_tokens != step.num_scheduled_tokens:
             return None
         step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
+        self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
         self.metrics.tail_tokens += step.plan.num_tail_tokens
         return step.plan
 

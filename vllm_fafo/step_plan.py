@@ -64,11 +64,22 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class RegionCatchUp:
+    """Positions a request's region missed while its lanes were off, read back
+    from vLLM's paged cache (where they are final) into their region slots."""
+
+    batch_row: int  # the request's row in vLLM's batch (block table)
+    positions: torch.Tensor  # (n,) absolute positions, each slot once
+    dst: torch.Tensor  # (n,) flat region index of each
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Region updates and lane layout of one forward pass.
 
     Region and staging buffers are addressed flat: ``row * slots + slot``.
-    Order inside a layer: commit accepted drafts staged last step, write this
+    Order inside a layer: catch up the positions a region missed while its
+    lanes were off, commit accepted drafts staged last step, write this
     step's known tokens, stage this step's drafts, reset the policy's state of
     rows that a new request took, show it the prefill chunks, let it select
     for each request with lanes, then run the lanes.
@@ -89,6 +100,7 @@ class StepPlan:
     tail_sink_ring_valid: torch.Tensor  # (R, region_slots) bool: filled sink and ring slots
     tail_ids: np.ndarray  # token ids of the tail, written behind the real tokens
     tail_positions: np.ndarray
+    catch_up: tuple[RegionCatchUp, ...] = ()
 
     @property
     def tail_tokens(self) -> slice:
@@ -104,7 +116,7 @@ class StepPlan:
     @property
     def has_region_work(self) -> bool:
         """Whether the attention layers have anything to do in this forward."""
-        return bool(self.write_dst.numel() or self.commit_dst.numel())
+        return bool(self.write_dst.numel() or self.commit_dst.numel() or self.catch_up)
 
 
 def attach_plan(attn_metadata: dict[str, Any] | list[dict[str, Any]], plan: StepPlan) -> None:

@@ -84,8 +84,8 @@ class LaneAttentionMixin(ABC):
                 f"{'missing' if region is None else f'{region.dtype}, not {key.dtype}'}; the "
                 "region is built from vllm_config when vLLM builds the layer"
             )
-        reader = None  # streaming never reads the cache: no reader per layer and step
-        if region.policy.reads_paged_kv:
+        reader = None  # streaming reads the cache only to catch up: no reader per layer and step
+        if region.policy.reads_paged_kv or plan.catch_up:
             reader = self.paged_kv(layer, kv_cache, attn_metadata)
             if not self._layout_checked and plan.tails:
                 self._check_layout(plan, reader, key, value)

@@ -21,10 +21,28 @@ so a layout change fails loudly instead of feeding lanes garbage.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 VERIFIED_CPU_ISAS = ("vec", "vec16")
+
+
+def paged_kv_readable(vllm_config: Any) -> bool:
+    """Whether this engine's paged cache can be read back: unquantised, and on CPU
+    an attention ISA whose layout :class:`CPUPagedKV` knows (vLLM 0.32.0's choice,
+    ``cpu_attn._get_attn_isa``, asked with the engine's own settings)."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.cache_config.cache_dtype != "auto":
+        return False
+    if not current_platform.is_cpu():
+        return True  # FLASH_ATTN: the logical view is the content (LogicalPagedKV)
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    isa = _get_attn_isa(model.dtype, vllm_config.cache_config.block_size, model.get_head_size(), "auto")
+    return isa in VERIFIED_CPU_ISAS
 
 
 class PagedKVLayoutError(RuntimeError):

@@ -59,7 +59,11 @@ class CompressedRegion:
         scale: float,
         kv: PagedKV | None,
     ) -> None:
-        """``kv`` is None when the policy does not read the paged cache."""
+        """``kv`` is None when neither the policy nor a catch-up reads the paged cache."""
+        for catch_up in plan.catch_up:
+            missed_key, missed_value = kv.read(catch_up.batch_row, catch_up.positions)
+            self.key.index_copy_(0, catch_up.dst, missed_key.to(self.key.dtype))
+            self.value.index_copy_(0, catch_up.dst, missed_value.to(self.value.dtype))
         self._update(plan, key, value)
         policy = self.policy
         for row in plan.new_rows:

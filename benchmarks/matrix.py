@@ -5,7 +5,7 @@ clean peak-memory figure, no engine left behind), decoding the same prompts
 greedily for every dataset and batch size. Every cell is saved as JSON as
 soon as it finishes, so an interrupted run resumes where it stopped
 (``--force`` redoes cells). The parent then compares each cell with plain
-vLLM's (``none``) and ``ngram``'s from the same run and writes a summary
+vLLM's (``none``), ``ngram``'s and ``suffix``'s from the same run and writes a summary
 JSON, a Markdown table and PNG plots.
 
     python benchmarks/matrix.py --methods none,ngram,fafo --datasets mtbench \
@@ -16,8 +16,8 @@ arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABE
 speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
 
 Figures per cell: tau (decoded tokens / target forward steps per request),
-output tokens/s, wall time per forward step (batch 1), speedup over ``none``
-and over ``ngram`` (same run),
+output tokens/s, wall time per forward step (batch 1), speedup over ``none``,
+``ngram`` and ``suffix`` (same run, where they ran),
 tail tokens per step (fumble-lane tokens run behind the real ones), peak resident memory of the method's process, and whether the
 tokens matched ``none`` token for token. Wall-clock figures depend on the
 machine; the summary records which one.
@@ -75,7 +75,11 @@ def parse_method(text: str) -> tuple[str, dict | None]:
             "or LABEL=JSON"
         )
     if text == "suffix" and find_spec("arctic_inference") is None:
-        raise SystemExit("method 'suffix' needs the arctic-inference package")
+        raise SystemExit(
+            "method 'suffix' (vLLM's suffix decoding) needs the arctic-inference package: "
+            "scripts/install_cpu.sh builds it (pip install --no-build-isolation --no-deps "
+            "arctic-inference==0.3.0, after nanobind, ninja, cmake and grpcio-tools), "
+            "or leave 'suffix' out of --methods")
     return text, BUILTIN_METHODS[text]
 
 
@@ -84,6 +88,26 @@ def cell_path(out: Path, label: str, dataset: str, batch_size: int) -> Path:
 
 
 # Child process: one method, every dataset and batch size ----------------------
+
+
+def forget_earlier_cells(llm) -> None:
+    """Cells reuse one engine but must not learn from each other: the same prompts
+    run at every batch size, and an earlier cell's outputs are this cell's answers.
+    Clears vLLM's prefix cache and what a method keeps across requests (vLLM
+    ``suffix``'s tree of past responses); cross-request memory still works within
+    a cell, across its different prompts."""
+    llm.reset_prefix_cache()
+    llm.collective_rpc(_forget_past_responses)
+
+
+def _forget_past_responses(worker) -> int:
+    cache = getattr(getattr(worker.model_runner, "drafter", None), "suffix_cache", None)
+    if cache is None:
+        return 0
+    cached = list(cache.cached_requests)
+    for req_id in cached:
+        cache.evict_cached_response(req_id)
+    return len(cached)
 
 
 def run_method_cells(args: argparse.Namespace) -> None:
@@ -129,6 +153,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
         metrics = collect_metrics(llm)
         return metrics["tail_tokens"], metrics["propose_calls"]
     for dataset, batch_size in todo:
+        forget_earlier_cells(llm)
         texts = load_prompts(dataset, args.num_prompts)
         prompts = [chat_prompt(tokenizer, t) for t in texts]
         accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
@@ -182,13 +207,15 @@ def summarize(args: argparse.Namespace, labels: list[str]) -> list[dict]:
                 label: json.loads(cell_path(out, label, dataset, batch_size).read_text())
                 for label in labels
             }
-            plain, ngram = cells.get("none"), cells.get("ngram")
+            plain, ngram, suffix = cells.get("none"), cells.get("ngram"), cells.get("suffix")
             for cell in cells.values():
                 row = {k: v for k, v in cell.items() if k != "token_ids"}
                 row["speedup_vs_none"] = (
                     cell["tokens_per_s"] / plain["tokens_per_s"] if plain else None)
                 row["speedup_vs_ngram"] = (
                     cell["tokens_per_s"] / ngram["tokens_per_s"] if ngram else None)
+                row["speedup_vs_suffix"] = (
+                    cell["tokens_per_s"] / suffix["tokens_per_s"] if suffix else None)
                 row["identical_to_none"] = (
                     cell["token_ids"] == plain["token_ids"] if plain else None)
                 rows.append(row)
@@ -204,15 +231,15 @@ def markdown_table(rows: list[dict], machine: str) -> str:
         " this machine's.",
         "",
         "| dataset | batch | method | tau | tokens/s | ms/step | speedup vs none | speedup vs ngram"
-        " | tail tok/step | peak RSS MiB | peak GPU MiB | identical to none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | speedup vs suffix | tail tok/step | peak RSS MiB | peak GPU MiB | identical to none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         same = "n/a" if r["identical_to_none"] is None else ("yes" if r["identical_to_none"] else "NO")
         lines.append(
             f"| {r['dataset']} | {r['batch_size']} | {r['method']} | {r['tau']:.3f} "
             f"| {r['tokens_per_s']:.1f} | {fmt(r.get('ms_per_step'), '.1f')} | {fmt(r['speedup_vs_none'])} "
-            f"| {fmt(r['speedup_vs_ngram'])} | {r['tail_tokens_per_step']:.1f} "
+            f"| {fmt(r['speedup_vs_ngram'])} | {fmt(r.get('speedup_vs_suffix'))} | {r['tail_tokens_per_step']:.1f} "
             f"| {r['peak_rss_mib']:.0f} | {fmt(r.get('peak_gpu_mib'), '.0f')} | {same} |"
         )
     return "\n".join(lines) + "\n"
@@ -306,7 +333,7 @@ def machine_description() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="none,ngram,fafo",
+    parser.add_argument("--methods", default="none,ngram,suffix,fafo",
                         help="comma list of built-ins; LABEL=JSON entries via --method")
     parser.add_argument("--method", action="append", default=[],
                         help="extra LABEL=JSON method (repeatable)")

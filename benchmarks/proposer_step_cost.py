@@ -1,12 +1,16 @@
-"""Per-step cost of FafoProposer.propose against sequence length.
+"""Host time of FafoProposer per step, against batch size and sequence length.
 
-The proposer files only the n-grams that this step's accepted tokens
-completed and looks up K suffixes, so its cost per step must stay flat as
-the history grows. This drives it directly (no engine) with a fake batch of
-one request whose history is random tokens, and reports microseconds per
-step at several lengths.
+The proposer runs on the host between two forward steps, so its cost per
+step must stay flat as the history grows and small per request as the batch
+grows. This drives it directly (no engine, no lanes: lanes cost model
+compute, measured by benchmarks/matrix.py) with a batch of requests whose
+texts repeat themselves the way real text does (spans copied from earlier in
+the text between random tokens), so the pool finds drafts and some are
+accepted: each step a request's sampled tokens are the text's next tokens,
+its draft's matching prefix plus one. Reports microseconds per step and per
+request-step, and the tau that the drafts would have given.
 
-    python benchmarks/proposer_step_cost.py
+    python benchmarks/proposer_step_cost.py --batch-sizes 1,32
 """
 
 from __future__ import annotations
@@ -21,39 +25,81 @@ from vllm_fafo.config import FafoConfig
 from vllm_fafo.proposer import FafoProposer
 
 
-def step_cost_us(history_len: int, steps: int, accepted_per_step: int, seed: int = 0) -> float:
-    config = FafoConfig(num_lanes=0)  # the pool's own cost; lanes cost model compute
-    max_len = history_len + steps * (accepted_per_step + 1) + 8
-    proposer = FafoProposer(SimpleNamespace(
+def repetitive_text(length: int, rng: np.random.Generator, vocab: int = 5000, copy_rate: float = 0.5) -> np.ndarray:
+    """Tokens where about ``copy_rate`` of the text repeats a span of 4..32 earlier tokens."""
+    text = list(rng.integers(0, vocab, size=8))
+    while len(text) < length:
+        if rng.random() < copy_rate:
+            span = int(rng.integers(4, 33))
+            start = int(rng.integers(0, max(1, len(text) - span)))
+            text += text[start : start + span]
+        else:
+            text += rng.integers(0, vocab, size=int(rng.integers(1, 9))).tolist()
+    return np.asarray(text[:length], dtype=np.int32)
+
+
+def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
+    return FafoProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
         additional_config={"fafo": config.to_dict()},
-        model_config=SimpleNamespace(max_model_len=max_len),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
     ))
+
+
+def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0) -> dict:
+    """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
+    with ``history_len`` tokens of prompt."""
+    config = FafoConfig(num_lanes=0, controller=controller)
+    max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
-    row = rng.integers(0, 1000, size=(1, max_len)).astype(np.int32)
-    num_tokens = np.array([history_len], dtype=np.int32)
+    rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
+    proposer = make_proposer(config, max_len)
+    req_ids = [f"r{i}" for i in range(batch)]
+    num_tokens = np.full(batch, history_len, dtype=np.int32)
+    # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
     proposer.begin_step((), 0, {})
-    proposer.finish_forward(["r"], None)
-    proposer.propose([[int(row[0, history_len - 1])]], num_tokens, row)  # prefill seeding
-    start = time.perf_counter()
+    proposer.finish_forward(req_ids, None)
+    drafts = proposer.propose([[int(row[history_len - 1])] for row in rows], num_tokens, rows)
+    decoded = 0
+    elapsed = 0.0
     for _ in range(steps):
-        sampled = [0] * (accepted_per_step + 1)
-        num_tokens[0] += len(sampled)
-        proposer.begin_step((), 0, {})
-        proposer.finish_forward(["r"], None)
-        proposer.propose([sampled], num_tokens, row)
-    return (time.perf_counter() - start) / steps * 1e6
+        sampled = []
+        for i, draft in enumerate(drafts):
+            truth = rows[i, num_tokens[i] : num_tokens[i] + len(draft) + 1].tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            sampled.append(truth[: accepted + 1])
+            num_tokens[i] += accepted + 1
+            decoded += accepted + 1
+        spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
+        start = time.perf_counter()
+        proposer.begin_step((), batch + sum(map(len, drafts)), spec)
+        proposer.finish_forward(req_ids, None)
+        drafts = proposer.propose(sampled, num_tokens, rows)
+        elapsed += time.perf_counter() - start
+    return {
+        "us_per_step": elapsed / steps * 1e6,
+        "us_per_request_step": elapsed / steps / batch * 1e6,
+        "tau": decoded / (steps * batch),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--accepted", type=int, default=2)
+    parser.add_argument("--batch-sizes", default="1,32", help="comma-separated")
+    parser.add_argument("--history", default="128,1024,8192,65536", help="prompt tokens per request, comma-separated")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
     args = parser.parse_args()
-    print("| history tokens | us per step |")
-    print("|---|---|")
-    for length in (128, 1024, 8192, 65536):
-        print(f"| {length} | {step_cost_us(length, args.steps, args.accepted):.1f} |")
+    print(f"controller {args.controller}, {args.steps} steps, pool only (num_lanes 0)")
+    print("| batch | history tokens | us per step | us per request-step | tau |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for length in (int(n) for n in args.history.split(",")):
+            result = measure(batch, length, args.steps, args.controller)
+            print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
+                  f"| {result['tau']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import functools
 
 from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
-from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -30,6 +29,7 @@ from vllm_fafo.config import (
     FafoConfig,
     FafoConfigError,
 )
+from vllm_fafo.log import init_logger
 from vllm_fafo.modes import parse_speculative_config
 from vllm_fafo.patches.guard import require_signature
 

@@ -50,6 +50,19 @@ def test_selection_cost_command_runs():
     assert "| SmolLM2-135M | 300 |" in result.stdout
 
 
+def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"),
+        "--batch-sizes", "1,4", "--history", "256", "--steps", "50",
+    ]
+    result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
+    assert [int(row[0]) for row in rows] == [1, 4]
+    for row in rows:
+        assert float(row[3]) > 0
+        assert float(row[4]) > 1.0  # the repetitive text gives the pool drafts that are accepted
+
+
 def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
     """--shape runs the same tail layout on a model body with dummy weights (the
     Llama-3-8B shape on a GPU); here the tiny body, for the code path."""

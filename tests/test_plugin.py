@@ -159,3 +159,24 @@ def test_lanes_refused_where_there_is_no_lane_attention(model_dir, monkeypatch):
     pool_only = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 0})
     engine_args.translate_speculative_config(pool_only)
     assert pool_only.speculative_config["method"] == "custom_class"
+
+
+@pytest.mark.parametrize("module", ["vllm_fafo.proposer", "vllm_fafo.fumble", "vllm_fafo.plugin",
+                                    "vllm_fafo.patches.engine_args"])
+def test_plugin_info_lines_reach_vllms_log_handler(module):
+    """vLLM configures only its own logger tree; INFO lines (the controller's periodic
+    line) logged outside it would be dropped by Python's last-resort handler."""
+    import importlib
+    import logging
+
+    logger = importlib.import_module(module).logger
+    records: list[logging.LogRecord] = []
+    catcher = logging.Handler(level=logging.INFO)
+    catcher.emit = records.append
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(catcher)
+    try:
+        logger.info("vllm-fafo log check")
+    finally:
+        vllm_logger.removeHandler(catcher)
+    assert [r.getMessage() for r in records] == ["vllm-fafo log check"]

@@ -32,6 +32,7 @@ class FakeBatch:
         self.req_ids: list[str] = []
         self.token_ids = np.zeros((8, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(8, dtype=np.int32)
+        self.scheduled_drafts: dict[str, list[int]] = {}  # what vLLM verifies in the next step
 
     def add(self, req_id, prompt):
         row = len(self.req_ids)
@@ -44,9 +45,11 @@ class FakeBatch:
             n = self.num_tokens[row]
             self.token_ids[row, n : n + len(sampled)] = sampled
             self.num_tokens[row] += len(sampled)
-        proposer.begin_step((), 0, {})
+        proposer.begin_step((), 0, self.scheduled_drafts)
         proposer.finish_forward(self.req_ids, None)
-        return proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
+        drafts = proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
+        self.scheduled_drafts = {req_id: draft for req_id, draft in zip(self.req_ids, drafts) if draft}
+        return drafts
 
 
 def test_first_draft_matches_reference_and_rows_keep_their_own_pools():
@@ -97,6 +100,23 @@ def test_acceptance_is_attributed_to_the_candidate_origin():
     batch.step(proposer, [[3, 4, 9]])  # both drafted tokens accepted, plus bonus
     assert proposer.metrics.accepted_tokens["prompt"] == 2
     assert proposer.metrics.proposed_tokens["prompt"] >= 2
+
+
+def test_only_drafts_vllm_scheduled_count_as_verified():
+    """A preempted request's last draft is never verified (vLLM drops it and
+    recomputes the request): its resumption must not count it as rejected."""
+    proposer = make_proposer(num_speculative_tokens=2, max_key_len=2, controller="goodput")
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 3, 4, 9, 1])
+    assert batch.step(proposer, [[2]]) == [[3, 4]]
+    trials = proposer.controller.yields.position_trials.sum()
+    batch.scheduled_drafts = {}  # preempted: the draft was dropped
+    batch.step(proposer, [[3]])
+    assert proposer.controller.yields.position_trials.sum() <= trials  # decayed, nothing added
+    assert proposer.metrics.accepted_tokens["prompt"] == 0
+    batch.step(proposer, [batch.scheduled_drafts["a"][:1] + [7]])  # scheduled again: one accepted
+    assert proposer.controller.yields.position_trials.sum() > trials
+    assert proposer.metrics.accepted_tokens["prompt"] + proposer.metrics.accepted_tokens["output"] == 1
 
 
 def test_state_is_freed_and_nothing_leaks_over_many_requests():

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
 from vllm_fafo.compression import CompressionPolicy
 from vllm_fafo.lanes import LaneState
+from vllm_fafo.log import init_logger
 from vllm_fafo.step_plan import PrefillChunk, RegionCatchUp, RequestTail, StepPlan
 
 logger = init_logger(__name__)
@@ -90,6 +90,11 @@ class FumbleLanes:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
 
     # Request life --------------------------------------------------------------------
+    @property
+    def num_regions_in_use(self) -> int:
+        """Requests holding a region row (at most ``region_rows``)."""
+        return len(self._requests)
+
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)

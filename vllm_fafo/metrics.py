@@ -57,12 +57,20 @@ def _worker_metrics(worker: Any) -> dict[str, Any] | None:
     metrics = getattr(drafter, "metrics", None)
     if not isinstance(metrics, FafoMetrics):
         return None
-    return {**metrics.as_dict(), "controller": drafter.controller.summary()}
+    lanes = drafter.lanes
+    return {
+        **metrics.as_dict(),
+        "requests_tracked": drafter.num_tracked_requests,
+        "requests_with_region": 0 if lanes is None else lanes.num_regions_in_use,
+        "controller": drafter.controller.summary(),
+    }
 
 
 def collect_metrics(llm: Any) -> dict[str, Any]:
-    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with the
-    goodput controller's latest choices and cost curve under ``"controller"``."""
+    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with two
+    gauges (``requests_tracked``: requests the proposer holds state for;
+    ``requests_with_region``: those holding a compressed-region row) and the goodput
+    controller's latest choices and cost curve under ``"controller"``."""
     results = llm.collective_rpc(_worker_metrics)
     if not results or results[0] is None:
         raise RuntimeError("this engine does not run the FAFO proposer")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 import vllm
-from vllm.logger import init_logger
 
+from vllm_fafo.log import init_logger
 from vllm_fafo.version import check_vllm_version
 
 DISABLE_ENV = "VLLM_FAFO_DISABLE"

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 
 from vllm_fafo.attention.paged_kv import paged_kv_readable
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
+from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import Match, NgramPool, Origin
 from vllm_fafo.step_plan import StepPlan
@@ -257,10 +257,13 @@ class FafoProposer:
             num_tokens = int(num_tokens_no_spec[row])
             history = token_ids_cpu[row]
             state = self._state_for(req_ids[row], num_tokens - len(sampled), history)
-            accepted_origins = state.last_draft_origins[: len(sampled) - 1]
+            # What vLLM verified: the drafts it scheduled (none after a preemption, fewer
+            # where its token budget cut them), of which len(sampled) - 1 were accepted.
+            verified = len(step.scheduled_spec_tokens.get(req_ids[row], ()))
+            accepted_origins = state.last_draft_origins[: min(len(sampled) - 1, verified)]
             self.metrics.record_acceptance(accepted_origins)
             decoding[row] = True
-            drafted[row], accepted[row] = len(state.last_draft_origins), len(accepted_origins)
+            drafted[row], accepted[row] = verified, len(accepted_origins)
             key_lens[row] = state.last_key_len
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             self._file_new_ngrams(state, history, num_tokens)

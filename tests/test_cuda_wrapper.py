@@ -218,8 +218,19 @@ def test_lane_configs_without_lane_attention_are_refused(model_dir, monkeypatch,
 def test_model_runner_v2_is_refused(model_dir, monkeypatch):
     """The patches wrap the V1 GPUModelRunner, which vLLM picks for custom proposers
     on CUDA unless VLLM_USE_V2_MODEL_RUNNER=1 forces V2."""
+    import vllm.envs
+
     from vllm_fafo.patches import engine_args
 
+    # An engine built earlier in this process freezes vllm.envs (enable_envs_cache),
+    # after which a changed environment variable is not seen.
+    was_cached = vllm.envs._is_envs_cache_enabled()
+    vllm.envs.disable_envs_cache()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(FafoConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
-        engine_args.translate_speculative_config(lane_args(model_dir))
+    try:
+        with pytest.raises(FafoConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+            engine_args.translate_speculative_config(lane_args(model_dir))
+    finally:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        if was_cached:
+            vllm.envs.enable_envs_cache()

@@ -57,23 +57,30 @@ def translate_speculative_config(args: EngineArgs) -> None:
     args.additional_config = additional
     if config.num_lanes > 0:
         _make_room_for_lanes(args, config)
+    elif config.num_candidates > 1:
+        _make_room_for_tail(args, config, "draft-tree branches")
+
+
+def _make_room_for_tail(args: EngineArgs, config: FafoConfig, what: str) -> None:
+    """Tokens behind the real ones: the wrapping attention backend, eager mode."""
+    _select_lane_backend(args, config)
+    if not args.enforce_eager:
+        logger.warning(
+            "vllm-fafo: %s change the token count of every step, which CUDA graphs "
+            "capture; running eager (enforce_eager=True)", what,
+        )
+        args.enforce_eager = True
 
 
 def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
     """Pick the lane attention backend; turn off what conflicts, saying why."""
-    _select_lane_backend(args, config)
+    _make_room_for_tail(args, config, "fumble lanes")
     if POLICIES[config.compression].reads_paged_kv and args.kv_cache_dtype != "auto":
         raise FafoConfigError(
             f"speculative_config compression {config.compression!r} reads vLLM's paged KV "
             f"cache back into the lanes' region and needs kv_cache_dtype 'auto', got "
             f"{args.kv_cache_dtype!r}; use kv_cache_dtype 'auto' or compression 'streaming'"
         )
-    if not args.enforce_eager:
-        logger.warning(
-            "vllm-fafo: fumble lanes change the token count of every step, which "
-            "CUDA graphs capture; running eager (enforce_eager=True)"
-        )
-        args.enforce_eager = True
     if args.enable_prefix_caching is not False:
         logger.warning(
             "vllm-fafo: a prefix-cache hit skips the prompt tokens whose KV would fill "

@@ -1,26 +1,33 @@
 """Hook FAFO's step into ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``.
 
-Wraps five methods of vLLM 0.32.0's V1 runner (``CPUModelRunner`` inherits
+Wraps seven methods of vLLM 0.32.0's V1 runner (``CPUModelRunner`` inherits
 them), each calling one hook of the FAFO proposer's step, in the order of
 vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
 
 1. ``_update_states(scheduler_output)``, after it: ``begin_step`` frees
    ``finished_req_ids`` and opens the step.
 2. ``_determine_batch_execution_and_padding(num_tokens, num_reqs, ...)``,
-   after it: ``plan_forward`` plans the lanes from vLLM's prepared batch;
-   the batch descriptor grows by the tail, which therefore rides vLLM's own
+   after it: ``plan_forward`` plans the lanes and the draft tree's branches
+   from vLLM's prepared batch; the batch descriptor grows by the tail, which therefore rides vLLM's own
    padding mechanism (slot mapping -1: lane tokens write no KV; the
    scheduler, the sampler and the logits of real tokens never see them).
 3. ``_build_attention_metadata(num_tokens, num_reqs, max_query_len, ...)``,
-   after it: the step plan is attached to this forward's attention metadata,
+   after it: the step plan (and the branch plan) is attached to this
+   forward's attention metadata,
    where every attention layer reads it and which dies with the forward.
 4. ``_preprocess(scheduler_output, num_input_tokens, ...)``, after it (vLLM
    wrote ids and positions and zeroed the padding's positions): the tail's
    ids and positions are written behind the real tokens.
-5. ``propose_draft_token_ids(scheduler_output, sampled_token_ids,
+5. ``sample_tokens(grammar_output)``, before it (the forward ran, its hidden
+   states wait in ``execute_model_state``): ``read_branch_logits``.
+6. ``_sample(logits, spec_decode_metadata)``, after it: ``accept_branches``
+   may swap a request's sampled row for a branch that got further than the
+   spine, before vLLM's bookkeeping reads the rows.
+7. ``propose_draft_token_ids(scheduler_output, sampled_token_ids,
    sampling_metadata, hidden_states, ...)``, before it: ``finish_forward``
    gets ``input_batch.req_ids`` (the row order of the ``sampled_token_ids``
-   the proposer is about to receive) and the hidden states the lanes read.
+   the proposer is about to receive), the requests a branch can serve
+   exactly, and the hidden states the lanes read.
 
 Other drafters pass through untouched.
 """
@@ -36,7 +43,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_fafo.fumble import BatchView
 from vllm_fafo.patches.guard import require_signature
 from vllm_fafo.proposer import FafoProposer
-from vllm_fafo.step_plan import attach_plan
+from vllm_fafo.step_plan import attach_branches, attach_plan
+from vllm_fafo.tree import keeps_exact_with_branches
 
 
 def _fafo_drafter(runner: GPUModelRunner) -> FafoProposer | None:
@@ -73,6 +81,8 @@ def apply() -> None:
     original_preprocess = require_signature(
         GPUModelRunner, "_preprocess", ["self", "scheduler_output", "num_input_tokens"]
     )
+    original_sample_tokens = require_signature(GPUModelRunner, "sample_tokens", ["self", "grammar_output"])
+    original_sample = require_signature(GPUModelRunner, "_sample", ["self", "logits", "spec_decode_metadata"])
     original_propose = require_signature(
         GPUModelRunner,
         "propose_draft_token_ids",
@@ -93,28 +103,33 @@ def apply() -> None:
     def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
         result = original_determine(self, num_tokens, num_reqs, *args, **kwargs)
         drafter = _fafo_drafter(self)
-        if drafter is None or drafter.lanes is None or drafter.step is None:
+        if drafter is None or drafter.step is None:
             return result
-        plan = drafter.plan_forward(_batch_view(self, num_tokens))
-        if plan is None or not plan.num_tail_tokens:
+        tail_tokens = drafter.plan_forward(_batch_view(self, num_tokens))
+        if not tail_tokens:
             return result
         cudagraph_mode, batch_desc, *rest = result
         if batch_desc.num_tokens != num_tokens:
             raise RuntimeError(
-                "vllm-fafo lanes need an unpadded eager batch, but vLLM padded "
+                "vllm-fafo lanes and draft trees need an unpadded eager batch, but vLLM padded "
                 f"{num_tokens} tokens to {batch_desc.num_tokens} (cudagraph mode "
                 f"{cudagraph_mode}); run with enforce_eager=True"
             )
-        grown = dataclasses.replace(batch_desc, num_tokens=num_tokens + plan.num_tail_tokens)
+        grown = dataclasses.replace(batch_desc, num_tokens=num_tokens + tail_tokens)
         return (cudagraph_mode, grown, *rest)
 
     @functools.wraps(original_build_metadata)
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, *rest = original_build_metadata(self, *args, **kwargs)
         drafter = _fafo_drafter(self)
-        plan = drafter.attention_plan() if drafter is not None else None
+        if drafter is None:
+            return (attn_metadata, *rest)
+        plan = drafter.attention_plan()
         if plan is not None:
             attach_plan(attn_metadata, plan)
+        branches = drafter.branch_plan()
+        if branches is not None:
+            attach_branches(attn_metadata, branches)
         return (attn_metadata, *rest)
 
     @functools.wraps(original_preprocess)
@@ -130,13 +145,34 @@ def apply() -> None:
             self.positions[start:end] = torch.as_tensor(positions, dtype=self.positions.dtype)
         return result
 
+    @functools.wraps(original_sample_tokens)
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        drafter = _fafo_drafter(self)
+        state = self.execute_model_state
+        if drafter is not None and state is not None:
+            drafter.read_branch_logits(state.hidden_states, self.model.compute_logits)
+        return original_sample_tokens(self, grammar_output, *args, **kwargs)
+
+    @functools.wraps(original_sample)
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        sampler_output = original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        drafter = _fafo_drafter(self)
+        if drafter is not None and spec_decode_metadata is not None:
+            drafter.accept_branches(sampler_output.sampled_token_ids)
+        return sampler_output
+
     @functools.wraps(original_propose)
     def propose_draft_token_ids(
         self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs,
     ):
         drafter = _fafo_drafter(self)
         if drafter is not None:
-            drafter.finish_forward(list(self.input_batch.req_ids), hidden_states)
+            req_ids = list(self.input_batch.req_ids)
+            eligible = [
+                req_id for req_id in req_ids
+                if keeps_exact_with_branches(self.requests[req_id].sampling_params)
+            ] if drafter.tree_enabled else ()
+            drafter.finish_forward(req_ids, hidden_states, eligible)
         return original_propose(
             self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs,
         )
@@ -146,6 +182,8 @@ def apply() -> None:
         "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,
         "_build_attention_metadata": _build_attention_metadata,
         "_preprocess": _preprocess,
+        "sample_tokens": sample_tokens,
+        "_sample": _sample,
         "propose_draft_token_ids": propose_draft_token_ids,
     }
     for name, wrapper in wrappers.items():

@@ -77,6 +77,17 @@ def pool_only_llm(model_dir):
     return make_llm(model_dir, {"method": "fafo", "num_lanes": 0})
 
 
+TREE_SPEC = {"method": "fafo", "num_lanes": 0, "num_candidates": 4}
+"""Pool only, with up to three branches next to each spine."""
+
+
+@pytest.fixture(scope="session")
+def tree_llm(model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, TREE_SPEC)
+
+
 @pytest.fixture(scope="session")
 def chunked_lanes_llm(model_dir):
     """Lanes with 32-token prefill chunks."""

@@ -56,6 +56,13 @@ class FafoConfig:
     maximise accepted tokens per second on this machine (vllm_fafo.goodput),
     down to none; ``fixed``: always ``num_lanes`` (as the free token slots
     allow) and ``num_speculative_tokens``."""
+    num_candidates: int = 1
+    """Candidates verified per request per step: the draft (the spine) and up to
+    ``num_candidates - 1`` alternative branches off its nodes, verified in the
+    same forward (vllm_fafo.tree); 1: the spine only."""
+    max_tree_tokens: int = 0
+    """Draft tokens per request per step, spine and branches together; 0:
+    ``num_candidates * num_speculative_tokens``."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -142,6 +149,19 @@ class FafoConfig:
                 f"num_speculative_tokens + 1 = {self.num_speculative_tokens + 1}"
             )
         self.policy_settings().validate(self.sink_tokens, self.kv_budget, self.num_speculative_tokens)
+        check_int("num_candidates", self.num_candidates, 1, 64)
+        check_int("max_tree_tokens", self.max_tree_tokens, 0, 1024)
+        if self.max_tree_tokens and self.max_tree_tokens < self.num_speculative_tokens:
+            raise FafoConfigError(
+                f"speculative_config['max_tree_tokens']={self.max_tree_tokens} must be 0 (auto) or "
+                f"at least num_speculative_tokens={self.num_speculative_tokens} (the spine's tokens)"
+            )
+        if self.num_candidates > 1 and self.num_lanes > 0:
+            raise FafoConfigError(
+                f"speculative_config['num_candidates']={self.num_candidates} needs num_lanes 0: a "
+                "branch accepted off the spine is not committed to the lanes' compressed region "
+                "in this release; set num_lanes to 0 or num_candidates to 1"
+            )
         check_int("min_key_len", self.min_key_len, 1, self.max_key_len)
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)
@@ -155,6 +175,11 @@ class FafoConfig:
 
     def make_policy(self) -> CompressionPolicy:
         return POLICIES[self.compression](self.sink_tokens, self.kv_budget, self.policy_settings())
+
+    @property
+    def tree_tokens(self) -> int:
+        """Draft tokens per request per step, spine included."""
+        return self.max_tree_tokens or self.num_candidates * self.num_speculative_tokens
 
     @property
     def ngram_len(self) -> int:
@@ -210,5 +235,6 @@ class RegionSpec:
 USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
+    "num_candidates", "max_tree_tokens",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -28,6 +28,12 @@ class FafoMetrics:
     caught_up_positions: int = 0
     """Region positions read back from the paged cache because the request's
     lanes were off when they were decoded (goodput controller)."""
+    tree_tokens: int = 0
+    """Draft-tree branch tokens verified next to the spines, summed over steps."""
+    branch_wins: int = 0
+    """Request-steps where a branch got further than the spine."""
+    branch_accepted_tokens: int = 0
+    """Tokens accepted from branches off the spine (beyond the spine's accepted prefix)."""
     lookups: int = 0
     pool_hits: int = 0
     requests_started: int = 0

@@ -20,7 +20,7 @@ The same class, configured, is the pool of every method the plugin runs:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -118,6 +118,19 @@ class NgramPool:
                     entries.move_to_end(candidate)
                 return Match(candidate, origin, key_len)
         return None
+
+    def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
+        """Every candidate under the suffixes of ``context``, longest key first,
+        most recently used first under each key, each once; recency untouched
+        (the draft tree's branches, :mod:`vllm_fafo.tree`)."""
+        seen: set[Candidate] = set()
+        longest = min(self.max_key_len, len(context))
+        for key_len in range(longest, self.min_key_len - 1, -1):
+            entries = self._table.get(tuple(context[len(context) - key_len :]))
+            for candidate in reversed(entries or ()):
+                if candidate not in seen:
+                    seen.add(candidate)
+                    yield candidate
 
     def candidates(self, key: Sequence[int]) -> list[Candidate]:
         """Candidates under exactly ``key``, least recently used first."""

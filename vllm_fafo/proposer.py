@@ -13,10 +13,15 @@ points of vLLM's step where the information exists; in order:
    metadata: the plan rides on it to every attention layer.
 4. :meth:`~FafoProposer.tail_inputs` after vLLM wrote the token ids and
    positions: the tail's are written behind the real tokens.
+   With a draft tree (``num_candidates`` > 1) the branches grown last step
+   ride behind the lanes (:meth:`~FafoProposer.branch_plan`); after the
+   forward :meth:`~FafoProposer.read_branch_logits` takes the target's
+   choices at the branch tokens and, once vLLM sampled the spines,
+   :meth:`~FafoProposer.accept_branches` swaps in a branch that got further.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
-6. :meth:`~FafoProposer.propose`: file new n-grams, draft from the pool; the
-   step ends.
+6. :meth:`~FafoProposer.propose`: file new n-grams, draft from the pool
+   (and grow the next step's branches); the step ends.
 
 Per step and request the work is bounded by the tokens accepted this step
 times K: new n-grams are filed from a short window of the history row vLLM
@@ -34,7 +39,7 @@ import torch
 from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import paged_kv_readable
-from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, RegionSpec
+from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, FafoConfigError, RegionSpec
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
@@ -42,6 +47,15 @@ from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.pool import Match, NgramPool, Origin
 from vllm_fafo.step_plan import StepPlan
+from vllm_fafo.tree import (
+    PLACEHOLDER,
+    Branch,
+    BranchPlan,
+    accept_greedy,
+    branch_positions,
+    grow_branches,
+    layout_request,
+)
 
 logger = init_logger(__name__)
 
@@ -61,6 +75,8 @@ class RequestState:
     """Where each token of the last draft came from."""
     last_key_len: int = 0
     """Length of the key the last draft was found under (0: no draft)."""
+    branches: list[Branch] = field(default_factory=list)
+    """The draft tree's branches off the last draft, verified next step."""
 
 
 def file_ngrams(
@@ -96,14 +112,33 @@ class FafoStep:
     num_scheduled_tokens: int
     scheduled_spec_tokens: dict[str, list[int]]
     """Draft tokens vLLM scheduled this step, by request."""
+    planned: bool = False
     plan: StepPlan | None = None
     """The lanes' plan, once the batch is prepared (None: pool only, or not yet)."""
     plan_attached: bool = False
+    branches: BranchPlan | None = None
+    """The draft tree's branches riding behind the lanes (None: spine only)."""
+    branches_attached: bool = False
+    branch_argmax: np.ndarray | None = None
+    """The target's argmax after each branch token, once the forward ran."""
+    branch_wins: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Requests whose branch beat the spine: (spine tokens, branch tokens) accepted."""
+    tree_eligible: frozenset[str] = frozenset()
+    """Requests whose sampling a branch can reproduce exactly (vllm_fafo.tree)."""
     tail_written: bool = False
     req_ids: Sequence[str] | None = None
     """Row order of the batch that ``propose`` receives."""
     started: float = field(default_factory=time.perf_counter)
     """When the step began (its forward, sampling and proposing are timed)."""
+
+    @property
+    def lane_tokens(self) -> int:
+        return self.plan.num_tail_tokens if self.plan is not None else 0
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens behind the real ones: lanes and branches."""
+        return self.lane_tokens + (self.branches.num_tokens if self.branches is not None else 0)
 
 
 class FafoProposer:
@@ -133,6 +168,15 @@ class FafoProposer:
         self._requests: dict[str, RequestState] = {}
         self.step: FafoStep | None = None
         self._model = None
+        self.tree_enabled = self.config.num_candidates > 1
+        if self.tree_enabled:
+            if not paged_kv_readable(vllm_config):
+                raise FafoConfigError(
+                    f"speculative_config['num_candidates']={self.config.num_candidates}: draft-tree "
+                    "branches read vLLM's paged KV cache, which this engine's cache dtype or CPU "
+                    "attention ISA does not allow; set num_candidates to 1"
+                )
+            self._device = torch.device(vllm_config.device_config.device)
         self.frozen: NgramPool | None = None
         if self.config.frozen_table is not None:
             self.frozen = load_table(self.config.frozen_table, self.config.max_key_len,
@@ -164,39 +208,93 @@ class FafoProposer:
         self.remove_requests(finished_req_ids)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens)
 
-    def plan_forward(self, batch: BatchView) -> StepPlan | None:
-        """2. The batch is prepared: plan the lanes' region updates and tail.
+    def plan_forward(self, batch: BatchView) -> int:
+        """2. The batch is prepared: plan the lanes' region updates and tail, then the
+        draft tree's branches behind them; returns the tokens they add.
 
         Only the step's own forward is planned (a dummy forward vLLM runs in
         between has another token count), and only once."""
         step = self.step
-        if self.lanes is None or step is None or step.plan is not None:
-            return None
-        if batch.num_tokens != step.num_scheduled_tokens:
-            return None
-        step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
-        self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
-        self.metrics.tail_tokens += step.plan.num_tail_tokens
-        return step.plan
+        if step is None or step.planned or batch.num_tokens != step.num_scheduled_tokens:
+            return 0
+        step.planned = True
+        if self.lanes is not None:
+            step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
+            self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
+            self.metrics.tail_tokens += step.plan.num_tail_tokens
+        if self.tree_enabled:
+            step.branches = self._plan_branches(batch, batch.num_tokens + step.lane_tokens)
+        return step.tail_tokens
 
     def attention_plan(self) -> StepPlan | None:
-        """3. vLLM builds this forward's attention metadata: the plan to attach, once."""
+        """3. vLLM builds this forward's attention metadata: the lanes' plan to attach, once."""
         step = self.step
         if step is None or step.plan is None or step.plan_attached or not step.plan.has_region_work:
             return None
         step.plan_attached = True
         return step.plan
 
+    def branch_plan(self) -> BranchPlan | None:
+        """3. Also: the draft tree's branches to attach, once."""
+        step = self.step
+        if step is None or step.branches is None or step.branches_attached:
+            return None
+        step.branches_attached = True
+        return step.branches
+
     def tail_inputs(self) -> tuple[np.ndarray, np.ndarray] | None:
         """4. vLLM wrote the real tokens' ids and positions: the tail's, once."""
         step = self.step
-        if step is None or step.plan is None or step.tail_written or not step.plan.num_tail_tokens:
+        if step is None or step.tail_written or not step.tail_tokens:
             return None
         step.tail_written = True
-        return step.plan.tail_ids, step.plan.tail_positions
+        parts = [part for part in (step.plan, step.branches) if part is not None]
+        ids = np.concatenate([p.tail_ids if p is step.plan else p.ids for p in parts])
+        positions = np.concatenate([p.tail_positions if p is step.plan else p.positions for p in parts])
+        return ids, positions
 
-    def finish_forward(self, req_ids: Sequence[str], hidden_states: torch.Tensor | None) -> None:
-        """5. Before drafting: the batch's row order; lanes advance and file their n-grams."""
+    def read_branch_logits(self, hidden_states: torch.Tensor, compute_logits) -> None:
+        """4b. The forward ran: the target's choice after each branch token."""
+        step = self.step
+        if step is None or step.branches is None or step.branch_argmax is not None:
+            return
+        plan = step.branches
+        span = slice(plan.first_token, plan.first_token + plan.num_tokens)
+        step.branch_argmax = compute_logits(hidden_states[span]).argmax(dim=-1).cpu().numpy()
+
+    def accept_branches(self, sampled_token_ids: torch.Tensor) -> None:
+        """4c. vLLM sampled the spines: where a branch got further, its tokens replace the
+        row (in place) and its keys and values replace the rejected spine tokens' in the
+        paged cache, so vLLM sees nothing but more accepted drafts."""
+        step = self.step
+        if step is None or step.branches is None or step.branch_argmax is None:
+            return
+        plan = step.branches
+        rows = sampled_token_ids.cpu().numpy()
+        for request in plan.requests:
+            first = request.start - plan.first_token
+            argmax = step.branch_argmax[first : first + request.num_tokens]
+            win = accept_greedy(rows[request.batch_row], request, argmax)
+            if win is None:
+                continue
+            index, matches, tokens = win
+            branch = request.branches[index]
+            row = np.full(rows.shape[1], PLACEHOLDER, dtype=rows.dtype)
+            row[: len(tokens)] = tokens
+            sampled_token_ids[request.batch_row] = torch.from_numpy(row).to(sampled_token_ids.device)
+            source = first + request.offsets()[index] + torch.arange(matches)
+            positions = request.x_position + branch.node + 1 + torch.arange(matches)
+            for reader, key, value in plan.kv_stash:
+                src = source.to(key.device)
+                reader.write(request.batch_row, positions.to(key.device), key[src], value[src])
+            step.branch_wins[request.req_id] = (branch.node, matches)
+            self.metrics.branch_wins += 1
+            self.metrics.branch_accepted_tokens += matches
+
+    def finish_forward(self, req_ids: Sequence[str], hidden_states: torch.Tensor | None,
+                       tree_eligible: Iterable[str] = ()) -> None:
+        """5. Before drafting: the batch's row order and which requests may get branches;
+        lanes advance and file their n-grams."""
         step = self.step
         if step is None:
             raise RuntimeError(
@@ -204,6 +302,7 @@ class FafoProposer:
                 "patches are not applied in this process"
             )
         step.req_ids = req_ids
+        step.tree_eligible = frozenset(tree_eligible)
         if step.plan is None or not step.plan.tails:
             return
         assert self.lanes is not None and hidden_states is not None
@@ -251,6 +350,7 @@ class FafoProposer:
         decoding = np.zeros(num_rows, dtype=bool)
         lane_accepted = 0
         found: list[tuple[RequestState, list[int], list[Origin], int]] = []
+        contexts: list[list[int]] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
                 continue
@@ -260,7 +360,9 @@ class FafoProposer:
             # What vLLM verified: the drafts it scheduled (none after a preemption, fewer
             # where its token budget cut them), of which len(sampled) - 1 were accepted.
             verified = len(step.scheduled_spec_tokens.get(req_ids[row], ()))
-            accepted_origins = state.last_draft_origins[: min(len(sampled) - 1, verified)]
+            win = step.branch_wins.get(req_ids[row])
+            spine_accepted = min(len(sampled) - 1, verified) if win is None else win[0]
+            accepted_origins = state.last_draft_origins[:spine_accepted]
             self.metrics.record_acceptance(accepted_origins)
             decoding[row] = True
             drafted[row], accepted[row] = verified, len(accepted_origins)
@@ -268,6 +370,7 @@ class FafoProposer:
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             self._file_new_ngrams(state, history, num_tokens)
             found.append((state, *self._draft(state, history, num_tokens)))
+            contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
         self._learn(step, drafted[decoding], accepted[decoding], key_lens[decoding], lane_accepted)
         lengths = self.controller.choose_draft_lens(
             self._undrafted_tokens(step),
@@ -275,28 +378,64 @@ class FafoProposer:
             np.array([len(draft) for _, draft, _, _ in found], dtype=np.int64),
         )
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
-        for row, (state, draft, origins, key_len), length in zip(np.flatnonzero(decoding), found, lengths.tolist()):
+        for row, (state, draft, origins, key_len), context, length in zip(
+            np.flatnonzero(decoding), found, contexts, lengths.tolist()
+        ):
             drafts[row] = draft[:length]
             state.last_draft_origins = origins[:length]
             state.last_key_len = key_len if length else 0
             self.metrics.record_draft(state.last_draft_origins)
+            if self.tree_enabled and req_ids[row] in step.tree_eligible:
+                state.branches = grow_branches(
+                    state.pool, context, drafts[row], self.config.num_candidates - 1,
+                    self.config.tree_tokens - len(drafts[row]),
+                )
         return drafts
 
+    def _plan_branches(self, batch: BatchView, start: int) -> BranchPlan | None:
+        """Lay out the branches grown last step behind the tail, for the requests whose
+        spine vLLM scheduled (a branch is cut where vLLM cut the spine), as many as the
+        forward's token capacity holds."""
+        requests, ids, positions = [], [], []
+        room = batch.capacity - start
+        for row, req_id in enumerate(batch.req_ids):
+            state = self._requests.get(req_id)
+            if state is None or not state.branches:
+                continue
+            branches, state.branches = state.branches, []
+            depth = batch.num_drafts[row]
+            kept, size = [], 0
+            for branch in branches:
+                if branch.node + len(branch.tokens) <= depth and size + len(branch.tokens) <= room:
+                    kept.append(branch)
+                    size += len(branch.tokens)
+            if not kept:
+                continue
+            request = layout_request(req_id, row, int(batch.query_start_loc[row]),
+                                     int(batch.num_computed_tokens[row]), start, kept, self._device)
+            requests.append(request)
+            ids.extend(token for branch in kept for token in branch.tokens)
+            positions.append(branch_positions(request))
+            start += size
+            room -= size
+        if not requests:
+            return None
+        self.metrics.tree_tokens += len(ids)
+        return BranchPlan(np.array(ids, dtype=np.int64), np.concatenate(positions), tuple(requests))
+
     def _undrafted_tokens(self, step: FafoStep) -> int:
-        """Tokens of this step without its drafts (the lanes included): the next step's
-        size before the drafts the controller is about to size."""
+        """Tokens of this step without its drafts (lanes and branches included): the next
+        step's size before the drafts the controller is about to size."""
         drafts = sum(map(len, step.scheduled_spec_tokens.values()))
-        tail = step.plan.num_tail_tokens if step.plan is not None else 0
-        return step.num_scheduled_tokens - drafts + tail
+        return step.num_scheduled_tokens - drafts + step.tail_tokens
 
     def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, key_lens: np.ndarray,
                lane_accepted: int) -> None:
         """Feed the controller this step's cost and yields; log its state now and then."""
-        tail = step.plan.num_tail_tokens if step.plan is not None else 0
         self.controller.observe(StepOutcome(
-            tokens=step.num_scheduled_tokens + tail,
+            tokens=step.num_scheduled_tokens + step.tail_tokens,
             seconds=time.perf_counter() - step.started,
-            lane_tokens=tail,
+            lane_tokens=step.lane_tokens,
             lane_accepted=lane_accepted,
             text_accepted=int(accepted.sum()) - lane_accepted,
             draft_lengths=drafted,

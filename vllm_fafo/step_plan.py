@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_fafo.tree import BRANCH_PLAN_ATTRIBUTE, BranchPlan
+
 PLAN_ATTRIBUTE = "vllm_fafo_plan"
 """Name of the attribute that carries the plan on vLLM's attention metadata."""
 
@@ -128,6 +130,22 @@ def attach_plan(attn_metadata: dict[str, Any] | list[dict[str, Any]], plan: Step
         )
     for metadata in attn_metadata.values():
         setattr(metadata, PLAN_ATTRIBUTE, plan)
+
+
+def attach_branches(attn_metadata: dict[str, Any] | list[dict[str, Any]], branches: BranchPlan) -> None:
+    """Hang the draft tree's ``branches`` on every layer's metadata object of this forward."""
+    if not isinstance(attn_metadata, dict):
+        raise RuntimeError(
+            "vllm-fafo draft trees index the whole batch, but vLLM split this forward into "
+            "micro-batches (dual-batch overlap); turn micro-batching off or set num_candidates to 1"
+        )
+    for metadata in attn_metadata.values():
+        setattr(metadata, BRANCH_PLAN_ATTRIBUTE, branches)
+
+
+def branches_of(attn_metadata: Any) -> BranchPlan | None:
+    """The draft tree's branches attached to one layer's metadata, if any."""
+    return getattr(attn_metadata, BRANCH_PLAN_ATTRIBUTE, None)
 
 
 def plan_of(attn_metadata: Any) -> StepPlan | None:

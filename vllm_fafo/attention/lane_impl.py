@@ -4,7 +4,8 @@ Each wrapper (``cpu.py`` over ``CPU_ATTN``, ``cuda.py`` over ``FLASH_ATTN``)
 is this mixin placed before vLLM's impl class: the base impl computes the
 real tokens (the tail is padding to it: beyond ``num_actual_tokens``, slot
 mapping -1), then this maintains the layer's compressed region and writes
-the lane tokens' outputs. A wrapper only says how to read its base's paged
+the lane tokens' outputs, and runs the draft tree's branches
+(:mod:`vllm_fafo.attention.branch_attention`). A wrapper only says how to read its base's paged
 KV cache. Without a step plan on the forward's attention metadata (no lanes
 configured, warm-up, profiling) the wrapper is exactly the base backend.
 
@@ -22,11 +23,12 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionType
 
+from vllm_fafo.attention.branch_attention import run_branches
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.attention.region import CompressedRegion
 from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.config import RegionSpec
-from vllm_fafo.step_plan import StepPlan, plan_of
+from vllm_fafo.step_plan import StepPlan, branches_of, plan_of
 
 
 class LaneAttentionMixin(ABC):
@@ -74,8 +76,19 @@ class LaneAttentionMixin(ABC):
             layer, query, key, value, kv_cache, attn_metadata, output,
             output_scale, output_block_scale,
         )
+        if self.attn_type != AttentionType.DECODER:
+            return output
+        branches = branches_of(attn_metadata)
+        if branches is not None and branches.requests:
+            reader = self.paged_kv(layer, kv_cache, attn_metadata)
+            if not self._layout_checked:
+                first = branches.requests[0]
+                x = slice(first.x_index, first.x_index + 1)
+                reader.check(first.batch_row, torch.tensor([first.x_position], device=key.device), key[x], value[x])
+                self._layout_checked = True
+            run_branches(branches, query, key, value, output, self.scale, reader)
         plan = plan_of(attn_metadata)
-        if plan is None or self.attn_type != AttentionType.DECODER:
+        if plan is None:
             return output
         region = self.region
         if region is None or key.dtype != region.dtype:

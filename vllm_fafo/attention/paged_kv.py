@@ -68,9 +68,22 @@ class PagedKVReader(ABC):
         keys, values = self._gather(blocks, heads, offsets)  # (Hk, n, D) each
         return keys.transpose(0, 1), values.transpose(0, 1)
 
+    def write(self, batch_row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` (n, Hk, D) at ``positions`` of the request's pages
+        (a draft tree's accepted branch replacing rejected spine tokens)."""
+        blocks = self._block_table[batch_row, positions // self._block_size].long()
+        offsets = positions % self._block_size
+        blocks, offsets = blocks[None].expand(self._num_kv_heads, -1), offsets[None].expand(self._num_kv_heads, -1)
+        heads = torch.arange(self._num_kv_heads, device=positions.device)[:, None].expand_as(blocks)
+        self._scatter(blocks, heads, offsets, key.transpose(0, 1), value.transpose(0, 1))
+
     @abstractmethod
     def _gather(self, blocks, heads, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (Hk, n, D) at (block, head, offset) triples, (Hk, n) each."""
+
+    @abstractmethod
+    def _scatter(self, blocks, heads, offsets, keys, values) -> None:
+        """Store keys and values (Hk, n, D) at (block, head, offset) triples."""
 
     def check(self, batch_row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise unless the cache returns ``key``/``value`` (n, Hk, D) at ``positions``."""
@@ -94,6 +107,10 @@ class LogicalPagedKV(PagedKVReader):
 
     def _gather(self, blocks, heads, offsets):
         return self._keys[blocks, heads, offsets], self._values[blocks, heads, offsets]
+
+    def _scatter(self, blocks, heads, offsets, keys, values):
+        self._keys[blocks, heads, offsets] = keys.to(self._keys.dtype)
+        self._values[blocks, heads, offsets] = values.to(self._values.dtype)
 
 
 class CPUPagedKV(PagedKVReader):
@@ -125,3 +142,7 @@ class CPUPagedKV(PagedKVReader):
 
     def _gather(self, blocks, heads, offsets):
         return self._keys[blocks, heads, :, offsets], self._values[blocks, heads, offsets]
+
+    def _scatter(self, blocks, heads, offsets, keys, values):
+        self._keys[blocks, heads, :, offsets] = keys.to(self._keys.dtype)
+        self._values[blocks, heads, offsets] = values.to(self._values.dtype)

@@ -1,0 +1,68 @@
+"""Draft trees on the real engine: identical tokens to plain vLLM, branches accepted,
+sampled requests (spine only) still drawn from plain vLLM's distribution."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_fafo.metrics import collect_metrics
+
+from .engine_utils import assert_same_tokens, generate_one_by_one, greedy, token_ids
+from .test_sampling import MAX_BINNED_TV, MAX_TOKENS, NUM_SAMPLES, PROMPT, binned_tv, sample
+
+pytestmark = pytest.mark.engine
+
+
+def _grew(llm, before: dict, key: str) -> int:
+    return collect_metrics(llm)[key] - before[key]
+
+
+def test_batch1_identical_to_plain_with_branches_accepted(plain_batch1_tokens, tree_llm, mtbench):
+    before = collect_metrics(tree_llm)
+    got = token_ids(generate_one_by_one(tree_llm, mtbench, greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
+    assert _grew(tree_llm, before, "tree_tokens") > 0
+    assert _grew(tree_llm, before, "branch_wins") > 0
+    assert _grew(tree_llm, before, "branch_accepted_tokens") > 0
+
+
+def test_concurrent_requests_identical_to_plain_with_branches_accepted(plain_llm, tree_llm, mtbench):
+    """Eight requests of different prompt and output lengths in one batch."""
+    prompts = mtbench[:8]
+    params = [greedy(64 + 16 * i) for i in range(len(prompts))]
+    expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    before = collect_metrics(tree_llm)
+    got = token_ids(tree_llm.generate(prompts, params, use_tqdm=False))
+    assert_same_tokens(expected, got)
+    assert _grew(tree_llm, before, "branch_accepted_tokens") > 0
+
+
+def test_requests_a_branch_cannot_keep_exact_verify_the_spine_only(plain_llm, tree_llm, mtbench):
+    """Logprobs and penalties read or rewrite the logits a branch's argmax would skip."""
+    params = [greedy(48, logprobs=2), greedy(48, repetition_penalty=1.2)]
+    prompts = mtbench[:2]
+    expected = plain_llm.generate(prompts, params, use_tqdm=False)
+    before = collect_metrics(tree_llm)
+    got = tree_llm.generate(prompts, params, use_tqdm=False)
+    assert _grew(tree_llm, before, "tree_tokens") == 0
+    assert_same_tokens(token_ids(expected), token_ids(got))
+    for want, have in zip(expected[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        assert want.keys() == have.keys()
+
+
+def test_sampled_requests_keep_plain_distribution_next_to_greedy_ones(plain_llm, tree_llm, mtbench):
+    """Sampled requests share batches with a greedy one whose branches run."""
+    from vllm import SamplingParams
+
+    reference = sample(plain_llm, seed0=0)
+    greedy_expected = token_ids(plain_llm.generate([mtbench[3]], greedy(96), use_tqdm=False))
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=10_000 + i)
+               for i in range(NUM_SAMPLES)]
+    before = collect_metrics(tree_llm)
+    outputs = tree_llm.generate([mtbench[3]] + [PROMPT] * NUM_SAMPLES, [greedy(96)] + sampled, use_tqdm=False)
+    assert token_ids(outputs[:1]) == greedy_expected
+    assert _grew(tree_llm, before, "tree_tokens") > 0
+    assert sum(collect_metrics(tree_llm)["accepted_tokens"].values()) > sum(before["accepted_tokens"].values())
+    got = token_ids(outputs[1:])
+    distances = [binned_tv(reference, got, pos) for pos in range(1, MAX_TOKENS)]
+    assert max(distances) < MAX_BINNED_TV, f"binned total variation per position: {distances}"

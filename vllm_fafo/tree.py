@@ -1,0 +1,210 @@
+"""Draft trees: alternative branches verified next to the spine in the same forward.
+
+vLLM 0.32's rejection sampler verifies one chain per request, the *spine*
+(the draft :class:`~vllm_fafo.proposer.FafoProposer` hands vLLM). FAFO's
+Find Out verification (FAFO Sec. 4.3, Alg. 4) checks every candidate under
+the matched key at once; here the other candidates ride behind the batch's
+real tokens as *branches*: a branch hangs off spine node ``j`` (after the
+first ``j`` spine tokens; 0 is the request's current token), sees the
+request's KV up to that node (vLLM wrote the spine's KV into the paged cache
+in this same forward) and its own earlier tokens, and writes no KV.
+
+Greedy acceptance: the spine's accepted prefix is vLLM's; a branch off node
+``j`` (reached when the spine's first ``j`` tokens were accepted) whose tokens
+agree with the target's argmax further than the spine did wins, and the
+request's sampled row becomes spine[:j] + the branch's accepted tokens + the
+target's next token after them. A branch never goes deeper than the spine
+it hangs off, so a win is, to vLLM's scheduler, just more accepted drafts:
+the slots exist, and the KV the branch computed for its accepted tokens is
+copied over the rejected spine tokens' slots (``commit_branch_kv``).
+
+Only greedy requests whose logits nothing rewrites get branches
+(:func:`keeps_exact_with_branches`); the rest verify the spine alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_fafo.pool import NgramPool
+
+PLACEHOLDER = -1
+"""vLLM's rejection sampler marks unused slots of a sampled row with -1."""
+
+BRANCH_PLAN_ATTRIBUTE = "vllm_fafo_branches"
+"""Name of the attribute that carries the branch plan on vLLM's attention metadata."""
+
+
+@dataclass(frozen=True)
+class Branch:
+    """An alternative continuation off spine node ``node``."""
+
+    node: int
+    tokens: tuple[int, ...]
+
+
+def grow_branches(
+    pool: NgramPool,
+    context: Sequence[int],
+    spine: Sequence[int],
+    max_branches: int,
+    max_tokens: int,
+) -> list[Branch]:
+    """Up to ``max_branches`` branches of at most ``max_tokens`` tokens in all.
+
+    Node 0 first (the spine's first token is the likeliest to be rejected),
+    then deeper nodes; at each node the pool's candidates under the longest
+    matching key first, one branch per first token the spine and earlier
+    branches do not already take there. A branch is cut to the spine's depth.
+    ``context`` is the text before the current token's successor (its last
+    ``max_key_len`` tokens suffice).
+    """
+    branches: list[Branch] = []
+    budget = max_tokens
+    text = list(context[-pool.max_key_len :]) if pool.max_key_len else []
+    for node in range(len(spine)):
+        room = len(spine) - node
+        taken = {spine[node]}
+        for candidate in pool.alternatives(text + list(spine[:node])):
+            if len(branches) == max_branches or budget <= 0:
+                return branches
+            if candidate[0] in taken:
+                continue
+            tokens = candidate[: min(room, budget)]
+            taken.add(tokens[0])
+            branches.append(Branch(node, tokens))
+            budget -= len(tokens)
+    return branches
+
+
+def keeps_exact_with_branches(params: Any) -> bool:
+    """Whether argmax of a branch's raw logits is exactly what vLLM would sample.
+
+    Greedy, and nothing that rewrites or reports logits (penalties, min_tokens,
+    bad words, logit bias, allowed tokens, structured output, logprobs)."""
+    from vllm.sampling_params import SamplingType
+
+    return (
+        params.sampling_type == SamplingType.GREEDY
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and params.min_tokens == 0
+        and not params.bad_words_token_ids
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and params.structured_outputs is None
+    )
+
+
+@dataclass
+class BranchPlan:
+    """Where this step's branches ride in the forward and how they attend.
+
+    Branch tokens lie back to back behind the real tokens (and the lanes).
+    Per request: its row in vLLM's batch, the batch indices of its branch
+    tokens, each token's number of visible paged positions and the mask over
+    its own branch tokens. ``kv_stash`` collects, layer by layer in forward
+    order, the keys and values the branch tokens computed, so the accepted
+    ones can be copied into the paged cache once acceptance is known.
+    """
+
+    ids: np.ndarray  # token ids, in batch order
+    positions: np.ndarray
+    requests: tuple[RequestBranches, ...]
+    kv_stash: list[tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def first_token(self) -> int:
+        return self.requests[0].start if self.requests else 0
+
+
+@dataclass(frozen=True)
+class RequestBranches:
+    """One request's branches inside the batch's tail."""
+
+    req_id: str
+    batch_row: int
+    x_index: int  # batch index of the request's current token (spine node 0)
+    x_position: int  # its position
+    start: int  # batch index of its first branch token
+    branches: tuple[Branch, ...]
+    visible: torch.Tensor  # (T,) paged positions each branch token sees: 0..visible-1
+    own_mask: torch.Tensor  # (T, T) bool: branch token t sees token u of its own branch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.start, self.start + self.num_tokens)
+
+    def offsets(self) -> list[int]:
+        """Offset of each branch's first token inside the request's tokens."""
+        return np.cumsum([0] + [len(b.tokens) for b in self.branches[:-1]]).tolist()
+
+
+def layout_request(req_id: str, batch_row: int, x_index: int, x_position: int, start: int,
+                   branches: Sequence[Branch], device: torch.device) -> RequestBranches:
+    """Positions, visibility and the own-branch mask of one request's branches."""
+    visible, owner, depth = [], [], []
+    for index, branch in enumerate(branches):
+        for i in range(len(branch.tokens)):
+            visible.append(x_position + branch.node + 1)
+            owner.append(index)
+            depth.append(i)
+    owner_arr, depth_arr = np.array(owner), np.array(depth)
+    own = (owner_arr[:, None] == owner_arr[None, :]) & (depth_arr[None, :] <= depth_arr[:, None])
+    return RequestBranches(
+        req_id, batch_row, x_index, x_position, start, tuple(branches),
+        torch.tensor(visible, dtype=torch.long, device=device),
+        torch.from_numpy(own).to(device),
+    )
+
+
+def branch_positions(request: RequestBranches) -> np.ndarray:
+    return np.concatenate([
+        request.x_position + branch.node + 1 + np.arange(len(branch.tokens))
+        for branch in request.branches
+    ])
+
+
+def accept_greedy(
+    sampled_row: np.ndarray,  # (K + 1,) vLLM's greedy output for the spine, -1 padded
+    request: RequestBranches,
+    branch_argmax: np.ndarray,  # (T,) target argmax after each of the request's branch tokens
+) -> tuple[int, int, list[int]] | None:
+    """The best branch if it beats the spine: (branch index, its accepted tokens,
+    the request's new sampled tokens).
+
+    Under greedy decoding vLLM's row is the target's argmax after each accepted
+    spine token, so the target's choice at spine node j is ``sampled_row[j]``
+    for every node the spine reached."""
+    spine_accepted = int((sampled_row != PLACEHOLDER).sum()) - 1
+    best = None
+    for index, (branch, offset) in enumerate(zip(request.branches, request.offsets())):
+        node = branch.node
+        if node > spine_accepted:
+            continue
+        tokens = np.asarray(branch.tokens)
+        # branch token i is accepted when the target's choice before it is that token
+        before = np.concatenate([[sampled_row[node]], branch_argmax[offset : offset + len(tokens) - 1]])
+        matches = int(np.cumprod(tokens == before).sum())
+        if matches == 0 or node + matches <= (spine_accepted if best is None else best[3]):
+            continue
+        bonus = int(branch_argmax[offset + matches - 1])
+        row = sampled_row[:node].tolist() + tokens[:matches].tolist() + [bonus]
+        best = (index, matches, row, node + matches)
+    return None if best is None else best[:3]

@@ -147,17 +147,19 @@ def run_method_cells(args: argparse.Namespace) -> None:
     llm.generate(["Warm-up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     is_fafo = bool(spec) and spec.get("method") in FAFO_METHODS
 
-    def tail_counters() -> tuple[int, int]:
+    def tail_counters() -> tuple[int, int, int, int]:
+        """Lane tokens, draft-tree branch tokens, tokens accepted off the spine, steps."""
         if not is_fafo:
-            return 0, 0
+            return 0, 0, 0, 0
         metrics = collect_metrics(llm)
-        return metrics["tail_tokens"], metrics["propose_calls"]
+        return (metrics["tail_tokens"], metrics["tree_tokens"], metrics["branch_accepted_tokens"],
+                metrics["propose_calls"])
     for dataset, batch_size in todo:
         forget_earlier_cells(llm)
         texts = load_prompts(dataset, args.num_prompts)
         prompts = [chat_prompt(tokenizer, t) for t in texts]
         accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
-        tail_before, steps_before = tail_counters()
+        tail_before, tree_before, branch_before, steps_before = tail_counters()
         outputs = []
         start = time.perf_counter()
         with tqdm(total=len(prompts), desc=f"{label} {dataset} b{batch_size}",
@@ -168,7 +170,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
                 bar.update(len(chunk))
         seconds = time.perf_counter() - start
         accepted = vllm_spec_counters(llm)["num_accepted_tokens"] - accepted_before
-        tail_after, steps_after = tail_counters()
+        tail_after, tree_after, branch_after, steps_after = tail_counters()
         steps = steps_after - steps_before
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         tokens = sum(map(len, token_ids))
@@ -181,6 +183,8 @@ def run_method_cells(args: argparse.Namespace) -> None:
             # Every step of a batch-1 request is one forward (its prefill included).
             "ms_per_step": 1000 * seconds / (tokens - accepted) if batch_size == 1 else None,
             "tokens_per_s": tokens / seconds, "tail_tokens_per_step": (tail_after - tail_before) / steps if steps else 0.0,
+            "tree_tokens_per_step": (tree_after - tree_before) / steps if steps else 0.0,
+            "branch_accepted_tokens": branch_after - branch_before,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             # The engine runs in this process (no multiprocessing): its CUDA allocations are ours.
             "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,

@@ -98,6 +98,12 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
     if current_platform.is_cpu():
         return
     if not current_platform.is_cuda():
+        if config.num_lanes == 0:
+            raise FafoConfigError(
+                f"speculative_config['num_candidates']={config.num_candidates}: draft-tree branches "
+                "run on vLLM's CPU attention and on CUDA FlashAttention only in this release; on "
+                f"{current_platform.device_name} set num_candidates to 1"
+            )
         fix = (
             "set num_lanes to 0 (pool only)" if config.method == "fafo"
             else "use method 'fafo' with num_lanes 0, or 'cacheback'"
@@ -112,7 +118,8 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
         raise FafoConfigError(
             f"attention_backend {chosen!r}: vllm-fafo lanes on CUDA wrap FLASH_ATTN (as "
             f"the CUSTOM backend); leave attention_backend unset or choose one of "
-            f"{', '.join(name for name in LANE_BASE_BACKENDS if name)}, or set num_lanes to 0"
+            f"{', '.join(name for name in LANE_BASE_BACKENDS if name)}, or set num_lanes to 0 "
+            "and num_candidates to 1"
         )
     if chosen != "CUSTOM":
         logger.info("vllm-fafo: lanes on; attention backend CUSTOM (FlashAttention + lanes)")

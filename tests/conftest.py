@@ -88,6 +88,21 @@ def tree_llm(model_dir):
     return make_llm(model_dir, TREE_SPEC)
 
 
+MODE_TREE_SPECS = {
+    "cacheback": {"method": "cacheback", "num_candidates": 4},
+    "lookahead": {"method": "lookahead", "window": 4, "ngram": 4, "guesses": 8, "num_candidates": 4},
+    "fafo with lanes": {**LANES_SPEC, "num_candidates": 4},
+}
+"""Draft trees next to lanes (fafo, lookahead) and in the lane-free Cacheback mode."""
+
+
+@pytest.fixture(scope="session", params=sorted(MODE_TREE_SPECS))
+def mode_tree_llm(request, model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, MODE_TREE_SPECS[request.param])
+
+
 @pytest.fixture(scope="session")
 def chunked_lanes_llm(model_dir):
     """Lanes with 32-token prefill chunks."""

@@ -234,3 +234,17 @@ def test_model_runner_v2_is_refused(model_dir, monkeypatch):
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
         if was_cached:
             vllm.envs.enable_envs_cache()
+
+
+def test_draft_trees_select_the_wrapping_backend_and_eager_but_keep_prefix_caching(model_dir, monkeypatch):
+    from vllm_fafo.patches import engine_args
+
+    spec = {"method": "fafo", "num_lanes": 0, "num_candidates": 4}
+    monkeypatch.setattr(engine_args, "current_platform", fake_platform("cuda"))
+    args = EngineArgs(model=model_dir, speculative_config=dict(spec))
+    engine_args.translate_speculative_config(args)
+    assert args.attention_backend is AttentionBackendEnum.CUSTOM
+    assert args.enforce_eager and args.enable_prefix_caching is None
+    monkeypatch.setattr(engine_args, "current_platform", fake_platform("rocm"))
+    with pytest.raises(FafoConfigError, match="on rocm set num_candidates to 1"):
+        engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=dict(spec)))

@@ -152,8 +152,11 @@ class DirectLayer:
 
 
 def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, steps, seed,
-                   reference=None, layer=None, dtype=torch.float32, lanes_for=None):
-    """``lanes_for`` chooses the lanes of each step as the goodput controller would;
+                   reference=None, layer=None, dtype=torch.float32, lanes_for=None, branch_share=0.0):
+    """``branch_share``: in that share of decode steps with rejected drafts, a draft
+    tree's branch wins instead and the request advances past the spine's accepted
+    prefix (the paged cache holds the branch tokens' true KV).
+    ``lanes_for`` chooses the lanes of each step as the goodput controller would;
     with it, steps that run no lanes skip the region's upkeep (``park_when_off``) and
     a region is only checked in the steps its lanes run.
     ``layer`` runs one attention layer's step (``DirectLayer`` by default);
@@ -190,6 +193,9 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
             else:
                 num_drafts = int(rng.integers(0, max_drafts + 1))
                 accepted = int(rng.integers(0, num_drafts + 1))
+                branch = 0
+                if accepted < num_drafts and rng.random() < branch_share:
+                    branch = int(rng.integers(1, num_drafts - accepted + 1))
                 step_k = req.true_k[first : first + 1 + num_drafts].clone()
                 step_v = req.true_v[first : first + 1 + num_drafts].clone()
                 step_k[1 + accepted :] = torch.randn_like(step_k[1 + accepted :])  # rejected
@@ -197,7 +203,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
                 keys.append(step_k)
                 values.append(step_v)
                 drafts.append(num_drafts)
-                plan_rows.append((req, first, 1 + num_drafts, accepted))
+                plan_rows.append((req, first, 1 + num_drafts, (accepted, branch)))
             qsl.append(qsl[-1] + len(keys[-1]))
             firsts.append(first)
         num_real = qsl[-1]
@@ -263,7 +269,9 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
                 torch.testing.assert_close(output[rows], want, rtol=tolerance, atol=tolerance)
                 checked_lane_tokens += tail.num_tokens
             was_prefilling = req.prefilling
-            req.computed = first + size if was_prefilling else first + 1 + accepted
+            if not was_prefilling and accepted[1]:
+                lanes.spine_accepted(req.req_id, accepted[0])
+            req.computed = first + size if was_prefilling else first + 1 + sum(accepted)
             if was_prefilling and not req.prefilling:
                 lanes.start_lanes(req.req_id, list(range(req.prompt_len)))
         lanes.consume_tail(plan, torch.zeros(key.shape[0], 5), lambda h: h)  # advance lanes
@@ -351,6 +359,24 @@ def test_region_caught_up_from_the_paged_cache_after_steps_without_lanes(policy)
     requests = [Request(f"r{i}", n, seed=70 + i) for i, n in enumerate([3, 40, 23])]
     checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2, max_drafts=4,
                                 steps=60, seed=12, lanes_for=off_and_on(5))
+    assert checked > 0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        StreamingPolicy(4, 32, StreamingPolicy.Settings()),
+        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=3, recent_tokens=8)),
+    ],
+    ids=["streaming", "quest"],
+)
+@pytest.mark.parametrize("lanes_for", [None, off_and_on(7)], ids=["lanes on", "lanes off and on"])
+def test_region_after_draft_tree_branches_won_matches_dense_reference(policy, lanes_for):
+    """Only the spine's accepted drafts are committed from staging; the branch tokens
+    after them are caught up from the paged cache."""
+    requests = [Request(f"r{i}", n, seed=90 + i) for i, n in enumerate([6, 40])]
+    checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2, max_drafts=4,
+                                steps=60, seed=13, lanes_for=lanes_for, branch_share=0.5)
     assert checked > 0
 
 

@@ -146,10 +146,18 @@ def test_paged_cache_write_is_read_back_and_is_what_vllm_would_have_written():
     assert torch.equal(cache, vllm_cache(new_key, new_value))
 
 
+def test_cacheback_passes_its_tree_keys_on():
+    from vllm_fafo.modes import parse_speculative_config
+
+    config = parse_speculative_config({"method": "cacheback", "num_candidates": 3, "max_tree_tokens": 12})
+    assert (config.num_candidates, config.tree_tokens, config.num_lanes) == (3, 12, 0)
+    with pytest.raises(FafoConfigError, match="max_tree_tokens"):
+        parse_speculative_config({"method": "cacheback", "num_candidates": 3, "max_tree_tokens": 2})
+
+
 def test_tree_keys_are_validated():
     assert FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0, "num_candidates": 4}).tree_tokens == 16
-    with pytest.raises(FafoConfigError, match="needs num_lanes 0"):
-        FafoConfig.from_user_dict({"method": "fafo", "num_candidates": 4})
+    assert FafoConfig.from_user_dict({"method": "fafo", "num_candidates": 2, "max_tree_tokens": 6}).tree_tokens == 6
     with pytest.raises(FafoConfigError, match="max_tree_tokens"):
         FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0, "num_candidates": 2, "max_tree_tokens": 2})
     with pytest.raises(FafoConfigError, match="num_candidates"):

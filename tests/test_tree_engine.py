@@ -26,6 +26,17 @@ def test_batch1_identical_to_plain_with_branches_accepted(plain_batch1_tokens, t
     assert _grew(tree_llm, before, "branch_accepted_tokens") > 0
 
 
+def test_modes_and_lanes_with_trees_identical_to_plain_with_branches_accepted(
+    plain_batch1_tokens, mode_tree_llm, mtbench
+):
+    """Cacheback's followers and Lookahead's guesses verified as draft trees, and trees
+    next to lanes (their regions catch branch tokens up from the paged cache)."""
+    before = collect_metrics(mode_tree_llm)
+    got = token_ids(generate_one_by_one(mode_tree_llm, mtbench[:6], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens[:6], got)
+    assert _grew(mode_tree_llm, before, "branch_accepted_tokens") > 0
+
+
 def test_concurrent_requests_identical_to_plain_with_branches_accepted(plain_llm, tree_llm, mtbench):
     """Eight requests of different prompt and output lengths in one batch."""
     prompts = mtbench[:8]

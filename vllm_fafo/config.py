@@ -156,12 +156,6 @@ class FafoConfig:
                 f"speculative_config['max_tree_tokens']={self.max_tree_tokens} must be 0 (auto) or "
                 f"at least num_speculative_tokens={self.num_speculative_tokens} (the spine's tokens)"
             )
-        if self.num_candidates > 1 and self.num_lanes > 0:
-            raise FafoConfigError(
-                f"speculative_config['num_candidates']={self.num_candidates} needs num_lanes 0: a "
-                "branch accepted off the spine is not committed to the lanes' compressed region "
-                "in this release; set num_lanes to 0 or num_candidates to 1"
-            )
         check_int("min_key_len", self.min_key_len, 1, self.max_key_len)
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)

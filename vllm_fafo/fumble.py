@@ -101,6 +101,13 @@ class FumbleLanes:
             if state is not None:
                 self._free_rows.append(state.region_row)
 
+    def spine_accepted(self, req_id: str, num_accepted: int) -> None:
+        """A draft tree's branch won: only the first ``num_accepted`` staged drafts are the
+        request's text; the positions after them are read back from the paged cache."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.num_drafts_staged = min(state.num_drafts_staged, num_accepted)
+
     def start_lanes(self, req_id: str, prompt: Sequence[int]) -> None:
         """Called once the prompt is known (first sampled token)."""
         state = self._requests.get(req_id)
@@ -129,12 +136,14 @@ class FumbleLanes:
                 continue
             if r.is_decode:
                 # Drafts of the last decode step that vLLM accepted: the request
-                # advanced by 1 + accepted tokens since then.
+                # advanced by 1 + accepted tokens since then (further where a draft
+                # tree's branch won: its tokens are caught up from the paged cache).
                 accepted = min(max(r.first_pos - state.staged_x_pos - 1, 0), state.num_drafts_staged)
                 if accepted:
+                    committed = state.staged_x_pos + 1 + np.arange(accepted)
                     commit_src.extend(range(staged_base, staged_base + accepted))
-                    commit_dst.extend((base + layout.slots(np.arange(r.first_pos - accepted, r.first_pos))).tolist())
-                    state.region_end = r.first_pos
+                    commit_dst.extend((base + layout.slots(committed)).tolist())
+                    state.region_end = state.staged_x_pos + 1 + accepted
                 if state.region_end < r.first_pos:
                     catch_up.append(self._catch_up(r, base))
                 known = 1  # x; the drafts behind it are only staged

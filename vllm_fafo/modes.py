@@ -52,12 +52,16 @@ class LookaheadConfig:
     """G: candidates kept per key (the last token)."""
     max_lane_requests: int = 8
     """Requests that run lanes at once (see ``fafo``)."""
+    num_candidates: int = 1
+    """Guesses verified per step: the newest as the chain, up to ``num_candidates - 1``
+    others as branches (vllm_fafo.tree); the paper verifies all G."""
 
     def validate(self) -> None:
         check_int("window", self.window, 1, 256)
         check_int("ngram", self.ngram, 3, 33)
         check_int("guesses", self.guesses, 1, 4096)
         check_int("max_lane_requests", self.max_lane_requests, 1, 1024)
+        check_int("num_candidates", self.num_candidates, 1, 64)
 
     def to_fafo(self) -> FafoConfig:
         return FafoConfig(
@@ -73,6 +77,7 @@ class LookaheadConfig:
             seed_from_output=False,
             touch_on_lookup=False,
             stagger_lanes=True,
+            num_candidates=self.num_candidates,
             controller="fixed",  # the paper's W, N, G every step
         )
 
@@ -97,6 +102,11 @@ class CacheBackConfig:
     """Seed the table with a sliding window over the prompt (Sec. 3.3)."""
     frozen_table: str | None = None
     """Path of a table built by ``vllm-fafo-frozen-table``."""
+    num_candidates: int = 1
+    """Followers verified per step: the chain and ``num_candidates - 1`` other
+    followers as branches of its draft tree (vllm_fafo.tree)."""
+    max_tree_tokens: int = 0
+    """Draft tokens per step, chain and branches (Cacheback's TDL); 0: auto."""
 
     def validate(self) -> None:
         check_int("leader_len", self.leader_len, 1, 32)
@@ -105,6 +115,7 @@ class CacheBackConfig:
         check_int("follower_capacity", self.follower_capacity, 1, 4096)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
         check_bool("seed_from_prompt", self.seed_from_prompt)
+        check_int("num_candidates", self.num_candidates, 1, 64)
         if self.frozen_table is not None:
             if not isinstance(self.frozen_table, str):
                 raise FafoConfigError(
@@ -127,6 +138,8 @@ class CacheBackConfig:
             seed_from_prompt=self.seed_from_prompt,
             text_ngram_len=self.follower_len,
             frozen_table=self.frozen_table,
+            num_candidates=self.num_candidates,
+            max_tree_tokens=self.max_tree_tokens,
             controller="fixed",  # the paper's chain every step
         )
 

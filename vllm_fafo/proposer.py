@@ -287,6 +287,8 @@ class FafoProposer:
             for reader, key, value in plan.kv_stash:
                 src = source.to(key.device)
                 reader.write(request.batch_row, positions.to(key.device), key[src], value[src])
+            if self.lanes is not None:
+                self.lanes.spine_accepted(request.req_id, branch.node)
             step.branch_wins[request.req_id] = (branch.node, matches)
             self.metrics.branch_wins += 1
             self.metrics.branch_accepted_tokens += matches

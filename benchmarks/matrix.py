@@ -94,14 +94,17 @@ def forget_earlier_cells(llm) -> None:
     """Cells reuse one engine but must not learn from each other: the same prompts
     run at every batch size, and an earlier cell's outputs are this cell's answers.
     Clears vLLM's prefix cache and what a method keeps across requests (vLLM
-    ``suffix``'s tree of past responses); cross-request memory still works within
-    a cell, across its different prompts."""
+    ``suffix``'s tree of past responses, FAFO's shared pool); cross-request memory
+    still works within a cell, across its different prompts."""
     llm.reset_prefix_cache()
     llm.collective_rpc(_forget_past_responses)
 
 
 def _forget_past_responses(worker) -> int:
-    cache = getattr(getattr(worker.model_runner, "drafter", None), "suffix_cache", None)
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if hasattr(drafter, "forget_shared_pool"):
+        drafter.forget_shared_pool()
+    cache = getattr(drafter, "suffix_cache", None)
     if cache is None:
         return 0
     cached = list(cache.cached_requests)

@@ -57,7 +57,7 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     req_ids = [f"r{i}" for i in range(batch)]
     num_tokens = np.full(batch, history_len, dtype=np.int32)
     # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
-    proposer.begin_step((), 0, {})
+    proposer.begin_step((), 0, {}, dict.fromkeys(req_ids))
     proposer.finish_forward(req_ids, None)
     drafts = proposer.propose([[int(row[history_len - 1])] for row in rows], num_tokens, rows)
     decoded = 0
@@ -74,7 +74,7 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
             decoded += accepted + 1
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
         start = time.perf_counter()
-        proposer.begin_step((), batch + sum(map(len, drafts)), spec)
+        proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)
         drafts = proposer.propose(sampled, num_tokens, rows)
         elapsed += time.perf_counter() - start

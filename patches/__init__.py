@@ -15,9 +15,16 @@ def apply_all() -> None:
 
     if getattr(EngineArgs.create_engine_config, "vllm_fafo_patch", None):
         return
-    from vllm_fafo.patches import attention_backend, cpu_sampling, engine_args, gpu_model_runner
+    from vllm_fafo.patches import (
+        attention_backend,
+        cpu_sampling,
+        engine_args,
+        gpu_model_runner,
+        new_request_data,
+    )
 
     engine_args.apply()
     gpu_model_runner.apply()
     attention_backend.apply()
     cpu_sampling.apply()
+    new_request_data.apply()

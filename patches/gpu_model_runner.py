@@ -5,7 +5,8 @@ them), each calling one hook of the FAFO proposer's step, in the order of
 vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
 
 1. ``_update_states(scheduler_output)``, after it: ``begin_step`` frees
-   ``finished_req_ids`` and opens the step.
+   ``finished_req_ids``, learns the new requests' ``cache_salt`` (carried by
+   ``vllm_fafo.patches.new_request_data``) and opens the step.
 2. ``_determine_batch_execution_and_padding(num_tokens, num_reqs, ...)``,
    after it: ``plan_forward`` plans the lanes and the draft tree's branches
    from vLLM's prepared batch; the batch descriptor grows by the tail, which therefore rides vLLM's own
@@ -42,6 +43,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_fafo.fumble import BatchView
 from vllm_fafo.patches.guard import require_signature
+from vllm_fafo.patches.new_request_data import cache_salt_of
 from vllm_fafo.proposer import FafoProposer
 from vllm_fafo.step_plan import attach_branches, attach_plan
 from vllm_fafo.tree import keeps_exact_with_branches
@@ -96,7 +98,8 @@ def apply() -> None:
         if drafter is not None:
             drafter.begin_step(scheduler_output.finished_req_ids,
                                scheduler_output.total_num_scheduled_tokens,
-                               scheduler_output.scheduled_spec_decode_tokens)
+                               scheduler_output.scheduled_spec_decode_tokens,
+                               {new.req_id: cache_salt_of(new) for new in scheduler_output.scheduled_new_reqs})
         return result
 
     @functools.wraps(original_determine)

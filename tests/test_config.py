@@ -38,6 +38,10 @@ def test_keys_accept_dashes_like_vllm_cli():
         ("sink_tokens", 256, "['sink_tokens']=256 is out of range"),
         ("max_lane_requests", 0, "['max_lane_requests']=0 is out of range"),
         ("prompt_lookup_max", 4, "unknown key 'prompt_lookup_max'"),
+        ("share_pool", "no", "['share_pool']='no' must be true or false"),
+        ("shared_pool_keys", 0, "['shared_pool_keys']=0 is out of range"),
+        ("shared_pool_tenants", 0, "['shared_pool_tenants']=0 is out of range"),
+        ("shared_pool_tenants", 1.5, "must be an integer"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(key, value, message):

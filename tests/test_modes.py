@@ -148,7 +148,7 @@ def test_cacheback_chains_followers_dynamic_before_frozen(tmp_path):
     assert metrics["proposed_tokens"]["frozen"] == 6
     drafts = batch.step(proposer, [[1]])  # the dynamic table knows 1
     assert drafts[0][:3] == [2, 3, 4]
-    assert (50, 51, 52) not in proposer._requests["a"].pool.candidates([1])  # frozen stays frozen
+    assert (50, 51, 52) not in proposer._requests["a"].pools[0].candidates([1])  # frozen stays frozen
 
 
 def test_lookahead_files_nothing_from_text():
@@ -157,7 +157,7 @@ def test_lookahead_files_nothing_from_text():
     batch.add("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
     drafts = batch.step(proposer, [[3]])
     assert drafts == [[]]  # Alg. 1: the pool only takes the lookahead branch's n-grams
-    assert len(proposer._requests["a"].pool) == 0
+    assert len(proposer._requests["a"].pools[0]) == 0
 
 
 # Configs --------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_defaults_map_onto_the_shared_machinery():
         ({"method": "lookahead", "window": 0}, "'window'\\]=0 is out of range"),
         ({"method": "lookahead", "ngram": 2}, "'ngram'\\]=2 is out of range; allowed: integers in \\[3, 33\\]"),
         ({"method": "lookahead", "num_lanes": 4},
-         "unknown key 'num_lanes' for method 'lookahead'; allowed keys: guesses, max_lane_requests, method, ngram, window"),
+         "unknown key 'num_lanes' for method 'lookahead'; allowed keys: guesses, max_lane_requests, method, ngram, num_candidates, window"),
         ({"method": "cacheback", "follower_len": "3"}, "'follower_len'\\]='3' must be an integer"),
         ({"method": "cacheback", "window": 3}, "unknown key 'window' for method 'cacheback'"),
         ({"method": "cacheback", "frozen_table": 7}, "'frozen_table'\\]=7 must be a path"),

@@ -33,10 +33,12 @@ class FakeBatch:
         self.token_ids = np.zeros((8, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(8, dtype=np.int32)
         self.scheduled_drafts: dict[str, list[int]] = {}  # what vLLM verifies in the next step
+        self.new_requests: dict[str, str | None] = {}  # announced at the next step, with their salt
 
-    def add(self, req_id, prompt):
+    def add(self, req_id, prompt, cache_salt=None):
         row = len(self.req_ids)
         self.req_ids.append(req_id)
+        self.new_requests[req_id] = cache_salt
         self.token_ids[row, : len(prompt)] = prompt
         self.num_tokens[row] = len(prompt)
 
@@ -45,7 +47,8 @@ class FakeBatch:
             n = self.num_tokens[row]
             self.token_ids[row, n : n + len(sampled)] = sampled
             self.num_tokens[row] += len(sampled)
-        proposer.begin_step((), 0, self.scheduled_drafts)
+        proposer.begin_step((), 0, self.scheduled_drafts, self.new_requests)
+        self.new_requests = {}
         proposer.finish_forward(self.req_ids, None)
         drafts = proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
         self.scheduled_drafts = {req_id: draft for req_id, draft in zip(self.req_ids, drafts) if draft}
@@ -138,7 +141,8 @@ def test_propose_without_batch_order_fails_loudly():
 
 
 def test_step_cost_does_not_grow_with_history(monkeypatch):
-    """The pool gets the same number of insertions per step at 100 or 3000 tokens."""
+    """The pools get the same number of insertions per step at 100 or 3000 tokens: two
+    new n-grams, each filed into the request's own pool and the shared one."""
     calls = []
     original_add = NgramPool.add
     monkeypatch.setattr(
@@ -155,14 +159,14 @@ def test_step_cost_does_not_grow_with_history(monkeypatch):
         for _ in range(20):
             batch.step(proposer, [[2, 3]])
         per_step[length] = len(calls) / 20
-    assert per_step[100] == per_step[3000] == 2
+    assert per_step[100] == per_step[3000] == 2 * 2
 
 
 def test_a_step_lives_from_begin_step_to_propose():
     proposer = make_proposer()
     batch = FakeBatch()
     batch.add("a", [1, 2, 1, 2, 1])
-    proposer.begin_step((), 1, {})
+    proposer.begin_step((), 1, {}, {"a": None})
     assert proposer.step is not None and proposer.attention_plan() is None  # pool only: no plan
     proposer.finish_forward(batch.req_ids, None)
     proposer.propose([[2]], np.array([6]), batch.token_ids)

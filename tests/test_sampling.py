@@ -94,9 +94,11 @@ def test_lanes_sample_from_plain_vllms_distribution(plain_llm, lanes_llm):
     before = collect_metrics(lanes_llm)
     got = sample(lanes_llm, seed0=10_000)
     after = collect_metrics(lanes_llm)
-    # Drafts were proposed, lane n-grams among them, and some were accepted:
-    # the rejection sampler's random path really ran.
+    # Drafts were proposed, lane n-grams and other requests' n-grams (the shared
+    # pool) among them, and some were accepted: the rejection sampler's random path
+    # really ran.
     assert after["accepted_tokens"]["lane"] > before["accepted_tokens"]["lane"]
+    assert after["accepted_tokens"]["shared"] > before["accepted_tokens"]["shared"]
     assert sum(after["accepted_tokens"].values()) > sum(before["accepted_tokens"].values())
     distances = [binned_tv(reference, got, pos) for pos in range(1, MAX_TOKENS)]
     assert max(distances) < MAX_BINNED_TV, f"binned total variation per position: {distances}"

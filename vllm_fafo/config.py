@@ -63,6 +63,14 @@ class FafoConfig:
     max_tree_tokens: int = 0
     """Draft tokens per request per step, spine and branches together; 0:
     ``num_candidates * num_speculative_tokens``."""
+    share_pool: bool = True
+    """Also file every request's n-grams into a pool shared by the requests of its
+    tenant (vLLM's ``cache_salt``; unsalted requests share one), drafted from after
+    the request's own pool under each key (vllm_fafo.shared_pool)."""
+    shared_pool_keys: int = 262144
+    """Keys each tenant's shared pool keeps; the least recently used is evicted."""
+    shared_pool_tenants: int = 16
+    """Tenants with a shared pool at once; the least recently used one is dropped."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -157,6 +165,9 @@ class FafoConfig:
                 f"at least num_speculative_tokens={self.num_speculative_tokens} (the spine's tokens)"
             )
         check_int("min_key_len", self.min_key_len, 1, self.max_key_len)
+        check_bool("share_pool", self.share_pool)
+        check_int("shared_pool_keys", self.shared_pool_keys, 1, 1 << 30)
+        check_int("shared_pool_tenants", self.shared_pool_tenants, 1, 1 << 16)
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)
         check_bool("seed_from_output", self.seed_from_output)
@@ -229,6 +240,6 @@ class RegionSpec:
 USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
-    "num_candidates", "max_tree_tokens",
+    "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -2,8 +2,8 @@
 
 vLLM already counts drafted and accepted tokens (``vllm:spec_decode_*``);
 these add what only the proposer knows: pool hits and where each proposed
-or accepted token's candidate came from (prompt, output, a lane, or
-Cacheback's frozen table).
+or accepted token's candidate came from (prompt, output, a lane,
+Cacheback's frozen table, or another request via the shared pool).
 """
 
 from __future__ import annotations
@@ -64,18 +64,22 @@ def _worker_metrics(worker: Any) -> dict[str, Any] | None:
     if not isinstance(metrics, FafoMetrics):
         return None
     lanes = drafter.lanes
+    shared = drafter.shared
     return {
         **metrics.as_dict(),
         "requests_tracked": drafter.num_tracked_requests,
         "requests_with_region": 0 if lanes is None else lanes.num_regions_in_use,
+        "shared_pool_tenants": 0 if shared is None else shared.num_tenants,
+        "shared_pool_keys": 0 if shared is None else shared.num_keys(),
         "controller": drafter.controller.summary(),
     }
 
 
 def collect_metrics(llm: Any) -> dict[str, Any]:
-    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with two
+    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with
     gauges (``requests_tracked``: requests the proposer holds state for;
-    ``requests_with_region``: those holding a compressed-region row) and the goodput
+    ``requests_with_region``: those holding a compressed-region row;
+    ``shared_pool_tenants`` and ``shared_pool_keys``: what the shared pool holds) and the goodput
     controller's latest choices and cost curve under ``"controller"``."""
     results = llm.collective_rpc(_worker_metrics)
     if not results or results[0] is None:

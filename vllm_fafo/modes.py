@@ -79,6 +79,7 @@ class LookaheadConfig:
             stagger_lanes=True,
             num_candidates=self.num_candidates,
             controller="fixed",  # the paper's W, N, G every step
+            share_pool=False,  # the paper's pool is per request
         )
 
 
@@ -141,6 +142,7 @@ class CacheBackConfig:
             num_candidates=self.num_candidates,
             max_tree_tokens=self.max_tree_tokens,
             controller="fixed",  # the paper's chain every step
+            share_pool=False,  # the paper's pool is per request (its frozen table is shared)
         )
 
 

@@ -19,6 +19,7 @@ The same class, configured, is the pool of every method the plugin runs:
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from enum import Enum
@@ -32,6 +33,7 @@ class Origin(str, Enum):
     OUTPUT = "output"
     LANE = "lane"
     FROZEN = "frozen"  # Cacheback's offline table
+    SHARED = "shared"  # another request's text or lanes, via the shared pool
 
 
 Candidate = tuple[int, ...]
@@ -107,30 +109,51 @@ class NgramPool:
         The key's recency is refreshed; the candidate's only with
         ``touch_on_lookup``.
         """
-        longest = min(self.max_key_len, len(context))
-        for key_len in range(longest, self.min_key_len - 1, -1):
-            key = tuple(context[len(context) - key_len :])
-            entries = self._table.get(key)
-            if entries:
-                self._table.move_to_end(key)
-                candidate, origin = next(reversed(entries.items()))
-                if self.touch_on_lookup:
-                    entries.move_to_end(candidate)
-                return Match(candidate, origin, key_len)
-        return None
+        return match_pools((self,), context)
+
+    def newest(self, key: Candidate) -> tuple[Candidate, Origin] | None:
+        """The most recently used candidate under exactly ``key`` (refreshing as
+        :meth:`match` says), or None."""
+        entries = self._table.get(key)
+        if not entries:
+            return None
+        self._table.move_to_end(key)
+        candidate, origin = next(reversed(entries.items()))
+        if self.touch_on_lookup:
+            entries.move_to_end(candidate)
+        return candidate, origin
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
         """Every candidate under the suffixes of ``context``, longest key first,
         most recently used first under each key, each once; recency untouched
         (the draft tree's branches, :mod:`vllm_fafo.tree`)."""
-        seen: set[Candidate] = set()
-        longest = min(self.max_key_len, len(context))
-        for key_len in range(longest, self.min_key_len - 1, -1):
-            entries = self._table.get(tuple(context[len(context) - key_len :]))
-            for candidate in reversed(entries or ()):
-                if candidate not in seen:
-                    seen.add(candidate)
-                    yield candidate
+        return alternatives_in((self,), context)
+
+    def entries_under(self, key: Candidate) -> Iterator[Candidate]:
+        """Candidates under exactly ``key``, most recently used first; recency untouched."""
+        return reversed(self._table.get(key) or ())
+
+    def num_entries(self) -> int:
+        """Candidates held under all keys (a candidate under several keys counts
+        once per key): with :meth:`__len__`, what the pool's memory grows with."""
+        return sum(map(len, self._table.values()))
+
+    def nbytes(self, counted: set[int] | None = None) -> int:
+        """Bytes of the table, its keys and its candidates (``sys.getsizeof``; a
+        candidate tuple filed under several keys, ids in ``counted``, is counted once;
+        token ints are not). Walks everything: for reports, not for the step."""
+        counted = set() if counted is None else counted
+        total = sys.getsizeof(self._table)
+        for key, entries in self._table.items():
+            total += sys.getsizeof(key) + sys.getsizeof(entries)
+            for candidate in entries:
+                if id(candidate) not in counted:
+                    counted.add(id(candidate))
+                    total += sys.getsizeof(candidate)
+        return total
+
+    def clear(self) -> None:
+        self._table.clear()
 
     def candidates(self, key: Sequence[int]) -> list[Candidate]:
         """Candidates under exactly ``key``, least recently used first."""
@@ -139,3 +162,34 @@ class NgramPool:
     def keys(self) -> list[Candidate]:
         """Keys, least recently used first."""
         return list(self._table)
+
+
+def match_pools(pools: Sequence[NgramPool], context: Sequence[int]) -> Match | None:
+    """The longest suffix of ``context`` any pool holds a candidate under; under
+    one key the first pool that has one wins (a request's own pool before the
+    shared one). A candidate found in a pool after the first is reported as
+    :attr:`Origin.SHARED`. All pools must use the same key lengths."""
+    first = pools[0]
+    longest = min(first.max_key_len, len(context))
+    for key_len in range(longest, first.min_key_len - 1, -1):
+        key = tuple(context[len(context) - key_len :])
+        for index, pool in enumerate(pools):
+            found = pool.newest(key)
+            if found is not None:
+                return Match(found[0], found[1] if index == 0 else Origin.SHARED, key_len)
+    return None
+
+
+def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:
+    """Every candidate of every pool under the suffixes of ``context``, longest key
+    first, then pool order, then most recently used first; each once."""
+    seen: set[Candidate] = set()
+    first = pools[0]
+    longest = min(first.max_key_len, len(context))
+    for key_len in range(longest, first.min_key_len - 1, -1):
+        key = tuple(context[len(context) - key_len :])
+        for pool in pools:
+            for candidate in pool.entries_under(key):
+                if candidate not in seen:
+                    seen.add(candidate)
+                    yield candidate

@@ -45,7 +45,8 @@ from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
 from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
-from vllm_fafo.pool import Match, NgramPool, Origin
+from vllm_fafo.pool import Match, NgramPool, Origin, match_pools
+from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
 from vllm_fafo.tree import (
     PLACEHOLDER,
@@ -67,7 +68,9 @@ LOG_INTERVAL_S = 10.0
 class RequestState:
     """What the proposer keeps for one running request."""
 
-    pool: NgramPool
+    pools: tuple[NgramPool, ...]
+    """Where the request files and drafts from: its own pool, then its tenant's
+    shared pool (when sharing is on)."""
     prompt_len: int
     next_anchor: int
     """First history position whose following n-gram is not filed yet."""
@@ -80,7 +83,7 @@ class RequestState:
 
 
 def file_ngrams(
-    pool: NgramPool,
+    pools: Sequence[NgramPool],
     history: Sequence[int],
     offset: int,
     anchors: range,
@@ -90,14 +93,17 @@ def file_ngrams(
     """File, for each anchor a, ``history[a+1 : a+1+ngram_len]`` under the
     suffixes of ``history[: a+1]`` (FAFO Alg. 2 applied to decoded text).
 
-    ``history`` holds the tokens from absolute position ``offset`` on.
+    ``history`` holds the tokens from absolute position ``offset`` on. Every pool
+    gets the same n-grams (they share key lengths).
     """
+    max_key_len = pools[0].max_key_len
     for anchor in anchors:
         end = anchor + 1 - offset
         candidate = tuple(history[end : end + ngram_len])
-        key_start = max(0, end - pool.max_key_len)
+        context = history[max(0, end - max_key_len) : end]
         origin = Origin.PROMPT if anchor + ngram_len < prompt_len else Origin.OUTPUT
-        pool.add(history[key_start:end], candidate, origin)
+        for pool in pools:
+            pool.add(context, candidate, origin)
 
 
 @dataclass
@@ -166,6 +172,18 @@ class FafoProposer:
                                           self.config.max_key_len)
         self._last_log = time.monotonic()
         self._requests: dict[str, RequestState] = {}
+        self._tenants: dict[str, str | None] = {}
+        """Each new request's cache_salt, from its first step until its state is made."""
+        self.shared: TenantPools | None = None
+        if self.config.share_pool:
+            self.shared = TenantPools(
+                self.config.max_key_len,
+                self.config.pool_capacity,
+                min_key_len=self.config.min_key_len,
+                max_keys=self.config.shared_pool_keys,
+                max_tenants=self.config.shared_pool_tenants,
+                touch_on_lookup=self.config.touch_on_lookup,
+            )
         self.step: FafoStep | None = None
         self._model = None
         self.tree_enabled = self.config.num_candidates > 1
@@ -203,9 +221,12 @@ class FafoProposer:
         finished_req_ids: Iterable[str],
         num_scheduled_tokens: int,
         scheduled_spec_tokens: dict[str, list[int]],
+        new_request_tenants: dict[str, str | None],
     ) -> None:
-        """1. vLLM applied the scheduler output: free finished or aborted requests."""
+        """1. vLLM applied the scheduler output: free finished or aborted requests; note
+        the tenant (``cache_salt``) of each new one."""
         self.remove_requests(finished_req_ids)
+        self._tenants.update(new_request_tenants)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens)
 
     def plan_forward(self, batch: BatchView) -> int:
@@ -309,14 +330,16 @@ class FafoProposer:
             return
         assert self.lanes is not None and hidden_states is not None
         for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
-            pool = self._requests[req_id].pool
+            pools = self._requests[req_id].pools
             for context, ngram in ngrams:
-                pool.add(context, ngram, Origin.LANE)
+                for pool in pools:
+                    pool.add(context, ngram, Origin.LANE)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
         req_ids = list(req_ids)
         for req_id in req_ids:
+            self._tenants.pop(req_id, None)
             if self._requests.pop(req_id, None) is not None:
                 self.metrics.requests_freed += 1
         if self.lanes is not None:
@@ -325,6 +348,12 @@ class FafoProposer:
     @property
     def num_tracked_requests(self) -> int:
         return len(self._requests)
+
+    def forget_shared_pool(self) -> None:
+        """Empty every tenant's shared pool, so a benchmark's runs do not learn each
+        other's answers."""
+        if self.shared is not None:
+            self.shared.clear()
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -389,7 +418,7 @@ class FafoProposer:
             self.metrics.record_draft(state.last_draft_origins)
             if self.tree_enabled and req_ids[row] in step.tree_eligible:
                 state.branches = grow_branches(
-                    state.pool, context, drafts[row], self.config.num_candidates - 1,
+                    state.pools, context, drafts[row], self.config.num_candidates - 1,
                     self.config.tree_tokens - len(drafts[row]),
                 )
         return drafts
@@ -466,14 +495,23 @@ class FafoProposer:
                 self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
             ngram_len = self.config.ngram_len
             first_anchor = 0 if self.config.seed_from_prompt else max(0, prompt_len - ngram_len)
+            pool = NgramPool(
+                self.config.max_key_len,
+                self.config.pool_capacity,
+                min_key_len=self.config.min_key_len,
+                max_keys=self.config.max_keys,
+                touch_on_lookup=self.config.touch_on_lookup,
+            )
+            try:
+                tenant = self._tenants.pop(req_id)
+            except KeyError:
+                raise RuntimeError(
+                    f"FafoProposer: request {req_id!r} decodes without having been announced "
+                    "by begin_step (the runner patches are not applied in this process)"
+                ) from None
+            shared = () if self.shared is None else (self.shared.pool_for(tenant),)
             state = RequestState(
-                pool=NgramPool(
-                    self.config.max_key_len,
-                    self.config.pool_capacity,
-                    min_key_len=self.config.min_key_len,
-                    max_keys=self.config.max_keys,
-                    touch_on_lookup=self.config.touch_on_lookup,
-                ),
+                pools=(pool, *shared),
                 prompt_len=prompt_len,
                 next_anchor=first_anchor,
             )
@@ -491,7 +529,7 @@ class FafoProposer:
         offset = max(0, state.next_anchor + 1 - self.config.max_key_len)
         window = history[offset:num_tokens].tolist()
         file_ngrams(
-            state.pool,
+            state.pools,
             window,
             offset,
             range(state.next_anchor, stop_anchor),
@@ -502,7 +540,8 @@ class FafoProposer:
 
     def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> tuple[list[int], list[Origin], int]:
         """Chain candidates until ``num_speculative_tokens`` tokens or no key matches: the
-        request's pool first, then the frozen table (Cacheback Sec. 3.3). Returns the
+        request's pool first (then its tenant's shared pool, under each key), then
+        the frozen table (Cacheback Sec. 3.3). Returns the
         draft, each token's origin, and the length of the key the first candidate was
         found under (the controller cuts the draft by it)."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
@@ -511,7 +550,7 @@ class FafoProposer:
         origins: list[Origin] = []
         first_key_len = 0
         while len(draft) < room:
-            found: Match | None = state.pool.match(context)
+            found: Match | None = match_pools(state.pools, context)
             if found is None and self.frozen is not None:
                 found = self.frozen.match(context)
             if found is None:

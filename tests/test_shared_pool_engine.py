@@ -1,0 +1,38 @@
+"""The shared pool in the real engine: tenants by ``cache_salt``, outputs unchanged."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from vllm_fafo.metrics import collect_metrics
+
+from .engine_utils import greedy, token_ids
+
+
+def _shared_counts(llm) -> tuple[int, int]:
+    metrics = collect_metrics(llm)
+    return metrics["proposed_tokens"]["shared"], metrics["accepted_tokens"]["shared"]
+
+
+@pytest.mark.engine
+def test_a_tenant_drafts_from_its_earlier_request_and_no_salt_sees_another(
+    pool_only_llm, mtbench, plain_batch1_tokens
+):
+    """The same question three times: under a new salt nothing comes from the shared
+    pool (the tenant's pool holds only the request's own text, which its own pool
+    answers first); under the first request's salt the earlier answer is drafted."""
+    prompt, expected = mtbench[0], plain_batch1_tokens[0]
+    first, other = f"a-{uuid.uuid4()}", f"b-{uuid.uuid4()}"
+    runs = []
+    for salt in (first, other, first):
+        before = _shared_counts(pool_only_llm)
+        output = pool_only_llm.generate({"prompt": prompt, "cache_salt": salt}, greedy(128), use_tqdm=False)
+        after = _shared_counts(pool_only_llm)
+        runs.append((token_ids(output)[0], after[0] - before[0], after[1] - before[1]))
+    assert [tokens for tokens, _, _ in runs] == [expected] * 3
+    (_, proposed_first, _), (_, proposed_other, _), (_, proposed_again, accepted_again) = runs
+    assert proposed_first == 0 and proposed_other == 0
+    assert proposed_again > 0 and accepted_again > len(expected) // 2
+    assert collect_metrics(pool_only_llm)["shared_pool_tenants"] >= 2

@@ -178,7 +178,8 @@ def test_defaults_map_onto_the_shared_machinery():
         ({"method": "lookahead", "window": 0}, "'window'\\]=0 is out of range"),
         ({"method": "lookahead", "ngram": 2}, "'ngram'\\]=2 is out of range; allowed: integers in \\[3, 33\\]"),
         ({"method": "lookahead", "num_lanes": 4},
-         "unknown key 'num_lanes' for method 'lookahead'; allowed keys: guesses, max_lane_requests, method, ngram, num_candidates, window"),
+         "unknown key 'num_lanes' for method 'lookahead'; allowed keys: guesses, max_lane_requests, method, "
+         "ngram, num_candidates, window"),
         ({"method": "cacheback", "follower_len": "3"}, "'follower_len'\\]='3' must be an integer"),
         ({"method": "cacheback", "window": 3}, "unknown key 'window' for method 'cacheback'"),
         ({"method": "cacheback", "frozen_table": 7}, "'frozen_table'\\]=7 must be a path"),

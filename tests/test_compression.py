@@ -67,6 +67,10 @@ def assert_reader_returns(reader, batch_row, key, value, per_head):
     """The reader gives back ``key``/``value`` (positions 0..n-1), all heads and per KV head."""
     got_key, got_value = reader.read(batch_row, torch.arange(key.shape[0]))
     assert torch.equal(got_key, key) and torch.equal(got_value, value)
+    for length in (1, 16, 17, key.shape[0]):
+        prefix_key, prefix_value = reader.read_prefix(batch_row, length)
+        assert torch.equal(prefix_key, key[:length].transpose(0, 1))
+        assert torch.equal(prefix_value, value[:length].transpose(0, 1))
     got_key, got_value = reader.read(batch_row, per_head)
     for h in range(key.shape[1]):
         assert torch.equal(got_key[:, h], key[per_head[h], h])

@@ -57,7 +57,7 @@ def test_branch_attention_matches_dense_reference(x_position):
     k, v = torch.randn(t, hk, d, generator=gen), torch.randn(t, hk, d, generator=gen)
     paged_k, paged_v = torch.randn(context, hk, d, generator=gen), torch.randn(context, hk, d, generator=gen)
     scale = d ** -0.5
-    got = request_branch_attention(q, k, v, paged_k, paged_v, request, scale)
+    got = request_branch_attention(q, k, v, paged_k.transpose(0, 1), paged_v.transpose(0, 1), request, scale)
     all_k, all_v = torch.cat([paged_k, k]), torch.cat([paged_v, v])
     visible, token = [], 0
     positions = branch_positions(request)

@@ -121,26 +121,26 @@ class StepPlan:
         return bool(self.write_dst.numel() or self.commit_dst.numel() or self.catch_up)
 
 
-def attach_plan(attn_metadata: dict[str, Any] | list[dict[str, Any]], plan: StepPlan) -> None:
-    """Hang ``plan`` on every layer's metadata object of this forward."""
+def _attach(attn_metadata: dict[str, Any] | list[dict[str, Any]], attribute: str, value: Any,
+            feature: str, turn_off: str) -> None:
+    """Hang ``value`` on every layer's metadata object of this forward."""
     if not isinstance(attn_metadata, dict):
         raise RuntimeError(
-            "vllm-fafo lanes index the whole batch, but vLLM split this forward into "
-            "micro-batches (dual-batch overlap); turn micro-batching off or set num_lanes to 0"
+            f"vllm-fafo {feature} index the whole batch, but vLLM split this forward into "
+            f"micro-batches (dual-batch overlap); turn micro-batching off or {turn_off}"
         )
     for metadata in attn_metadata.values():
-        setattr(metadata, PLAN_ATTRIBUTE, plan)
+        setattr(metadata, attribute, value)
+
+
+def attach_plan(attn_metadata: dict[str, Any] | list[dict[str, Any]], plan: StepPlan) -> None:
+    """Hang the lanes' ``plan`` on every layer's metadata object of this forward."""
+    _attach(attn_metadata, PLAN_ATTRIBUTE, plan, "lanes", "set num_lanes to 0")
 
 
 def attach_branches(attn_metadata: dict[str, Any] | list[dict[str, Any]], branches: BranchPlan) -> None:
     """Hang the draft tree's ``branches`` on every layer's metadata object of this forward."""
-    if not isinstance(attn_metadata, dict):
-        raise RuntimeError(
-            "vllm-fafo draft trees index the whole batch, but vLLM split this forward into "
-            "micro-batches (dual-batch overlap); turn micro-batching off or set num_candidates to 1"
-        )
-    for metadata in attn_metadata.values():
-        setattr(metadata, BRANCH_PLAN_ATTRIBUTE, branches)
+    _attach(attn_metadata, BRANCH_PLAN_ATTRIBUTE, branches, "draft trees", "set num_candidates to 1")
 
 
 def branches_of(attn_metadata: Any) -> BranchPlan | None:

@@ -141,8 +141,8 @@ class RequestBranches:
     x_position: int  # its position
     start: int  # batch index of its first branch token
     branches: tuple[Branch, ...]
-    visible: torch.Tensor  # (T,) paged positions each branch token sees: 0..visible-1
-    own_mask: torch.Tensor  # (T, T) bool: branch token t sees token u of its own branch
+    num_paged: int  # paged positions 0..num_paged-1 some branch token sees
+    mask: torch.Tensor  # (T, num_paged + T) bool: what branch token t sees, paged then own branch
 
     @property
     def num_tokens(self) -> int:
@@ -159,20 +159,20 @@ class RequestBranches:
 
 def layout_request(req_id: str, batch_row: int, x_index: int, x_position: int, start: int,
                    branches: Sequence[Branch], device: torch.device) -> RequestBranches:
-    """Positions, visibility and the own-branch mask of one request's branches."""
+    """Positions and attention mask of one request's branches, built once per step
+    (every layer reads the same mask)."""
     visible, owner, depth = [], [], []
     for index, branch in enumerate(branches):
         for i in range(len(branch.tokens)):
             visible.append(x_position + branch.node + 1)
             owner.append(index)
             depth.append(i)
-    owner_arr, depth_arr = np.array(owner), np.array(depth)
+    owner_arr, depth_arr, visible_arr = np.array(owner), np.array(depth), np.array(visible)
+    num_paged = int(visible_arr.max())
+    paged = np.arange(num_paged)[None, :] < visible_arr[:, None]
     own = (owner_arr[:, None] == owner_arr[None, :]) & (depth_arr[None, :] <= depth_arr[:, None])
-    return RequestBranches(
-        req_id, batch_row, x_index, x_position, start, tuple(branches),
-        torch.tensor(visible, dtype=torch.long, device=device),
-        torch.from_numpy(own).to(device),
-    )
+    mask = torch.from_numpy(np.concatenate([paged, own], axis=1)).to(device)
+    return RequestBranches(req_id, batch_row, x_index, x_position, start, tuple(branches), num_paged, mask)
 
 
 def branch_positions(request: RequestBranches) -> np.ndarray:

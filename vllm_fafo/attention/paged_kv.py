@@ -68,6 +68,13 @@ class PagedKVReader(ABC):
         keys, values = self._gather(blocks, heads, offsets)  # (Hk, n, D) each
         return keys.transpose(0, 1), values.transpose(0, 1)
 
+    def read_prefix(self, batch_row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (Hk, length, D) of positions ``0..length-1``, copied block by
+        block (whole tiles, no per-position index): a draft-tree branch's context."""
+        num_blocks = -(-length // self._block_size)
+        keys, values = self._blocks(self._block_table[batch_row, :num_blocks].long())
+        return keys[:, :length], values[:, :length]
+
     def write(self, batch_row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` (n, Hk, D) at ``positions`` of the request's pages
         (a draft tree's accepted branch replacing rejected spine tokens)."""
@@ -80,6 +87,10 @@ class PagedKVReader(ABC):
     @abstractmethod
     def _gather(self, blocks, heads, offsets) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (Hk, n, D) at (block, head, offset) triples, (Hk, n) each."""
+
+    @abstractmethod
+    def _blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (Hk, len(blocks) * block_size, D) of whole blocks, in order."""
 
     @abstractmethod
     def _scatter(self, blocks, heads, offsets, keys, values) -> None:
@@ -107,6 +118,12 @@ class LogicalPagedKV(PagedKVReader):
 
     def _gather(self, blocks, heads, offsets):
         return self._keys[blocks, heads, offsets], self._values[blocks, heads, offsets]
+
+    def _blocks(self, blocks):
+        num_blocks, heads, block_size, dim = len(blocks), self._num_kv_heads, self._block_size, self._keys.shape[-1]
+        keys = self._keys[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
+        values = self._values[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
+        return keys, values
 
     def _scatter(self, blocks, heads, offsets, keys, values):
         self._keys[blocks, heads, offsets] = keys.to(self._keys.dtype)
@@ -142,6 +159,13 @@ class CPUPagedKV(PagedKVReader):
 
     def _gather(self, blocks, heads, offsets):
         return self._keys[blocks, heads, :, offsets], self._values[blocks, heads, offsets]
+
+    def _blocks(self, blocks):
+        num_blocks, heads, block_size, dim = len(blocks), self._num_kv_heads, self._block_size, self._values.shape[-1]
+        # key tiles are D x block_size: (blocks, Hk, D, bs) -> (Hk, blocks, bs, D)
+        keys = self._keys[blocks].permute(1, 0, 3, 2).reshape(heads, num_blocks * block_size, dim)
+        values = self._values[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
+        return keys, values
 
     def _scatter(self, blocks, heads, offsets, keys, values):
         self._keys[blocks, heads, :, offsets] = keys.to(self._keys.dtype)

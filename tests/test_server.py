@@ -7,14 +7,13 @@ own process, as users run it); the plugin is found through its entry point.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import requests
+
+from benchmarks.soak import VllmServer, vllm_command
 
 pytestmark = pytest.mark.engine
 
@@ -23,57 +22,11 @@ PROMPT = "The three primary colors are"
 CHAT = [{"role": "user", "content": "Name three uses of a paperclip."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Server(VllmServer):
+    """benchmarks/soak.py's `vllm serve` launcher, with request helpers."""
 
-
-def _vllm_command() -> list[str]:
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return [exe] if os.path.exists(exe) else ["vllm"]
-
-
-class Server:
     def __init__(self, model_dir: str, extra_args: list[str], log_path: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            _vllm_command()
-            + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--seed", "0",
-               "--served-model-name", "smollm2"]
-            + extra_args,
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
-        )
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            if self._healthy():
-                return
-            time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
-
-    def _healthy(self) -> bool:
-        try:
-            return requests.get(self.url + "/health", timeout=2).status_code == 200
-        except requests.RequestException:  # not listening yet
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        super().__init__(model_dir, extra_args, log_path, served_name="smollm2")
 
     def post(self, path: str, body: dict) -> dict:
         response = requests.post(self.url + path, json=body, timeout=300)
@@ -147,7 +100,7 @@ def test_bad_config_fails_fast_with_its_message(model_dir, tmp_path):
     bad = json.dumps({"method": "fafo", "max_key_len": 0})
     start = time.time()
     result = subprocess.run(
-        _vllm_command() + ["serve", model_dir, "--speculative-config", bad],
+        vllm_command() + ["serve", model_dir, "--speculative-config", bad],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode != 0

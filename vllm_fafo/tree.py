@@ -142,7 +142,8 @@ class RequestBranches:
     start: int  # batch index of its first branch token
     branches: tuple[Branch, ...]
     num_paged: int  # paged positions 0..num_paged-1 some branch token sees
-    mask: torch.Tensor  # (T, num_paged + T) bool: what branch token t sees, paged then own branch
+    bias: torch.Tensor  # (T, num_paged + T) float32: 0 where branch token t sees the key
+    # (paged positions, then its own branch's tokens), -inf elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -159,8 +160,8 @@ class RequestBranches:
 
 def layout_request(req_id: str, batch_row: int, x_index: int, x_position: int, start: int,
                    branches: Sequence[Branch], device: torch.device) -> RequestBranches:
-    """Positions and attention mask of one request's branches, built once per step
-    (every layer reads the same mask)."""
+    """Positions and attention bias of one request's branches, built once per step
+    (every layer reads the same bias)."""
     visible, owner, depth = [], [], []
     for index, branch in enumerate(branches):
         for i in range(len(branch.tokens)):
@@ -168,11 +169,12 @@ def layout_request(req_id: str, batch_row: int, x_index: int, x_position: int, s
             owner.append(index)
             depth.append(i)
     owner_arr, depth_arr, visible_arr = np.array(owner), np.array(depth), np.array(visible)
-    num_paged = int(visible_arr.max())
+    num_paged = int(visible_arr.max()) if len(visible) else 0
     paged = np.arange(num_paged)[None, :] < visible_arr[:, None]
     own = (owner_arr[:, None] == owner_arr[None, :]) & (depth_arr[None, :] <= depth_arr[:, None])
-    mask = torch.from_numpy(np.concatenate([paged, own], axis=1)).to(device)
-    return RequestBranches(req_id, batch_row, x_index, x_position, start, tuple(branches), num_paged, mask)
+    bias = np.where(np.concatenate([paged, own], axis=1), np.float32(0), np.float32(-np.inf))
+    return RequestBranches(req_id, batch_row, x_index, x_position, start, tuple(branches), num_paged,
+                           torch.from_numpy(bias).to(device))
 
 
 def branch_positions(request: RequestBranches) -> np.ndarray:

@@ -1,0 +1,279 @@
+"""Soak a real `vllm serve` under streaming chat traffic with aborts, and check it held.
+
+Starts `vllm serve` on 127.0.0.1 (with a speculative config, or plain), keeps
+``--concurrency`` streaming chat requests in flight for ``--seconds`` (prompts
+from the bundled MT-Bench questions, mixed lengths, half greedy and half
+sampled, ``--abort-fraction`` of them closed mid-stream), then stops by
+itself. Reports completed / aborted / failed requests, streamed tokens per
+second, the server's resident memory over time (API server and engine
+processes together), and whether a fixed greedy request gives the same text
+before and after the load. Exits non-zero when a request failed, the text
+changed, or memory grew by more than ``--max-rss-growth-mib``.
+
+    python benchmarks/soak.py --concurrency 16 --seconds 60
+    python benchmarks/soak.py --speculative-config none --concurrency 16 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+import requests
+
+SERVED_NAME = "soak-model"
+FIXED_CHAT = [{"role": "user", "content": "Explain in three sentences why the sky is blue."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_command() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [exe] if os.path.exists(exe) else ["vllm"]
+
+
+class VllmServer:
+    """A `vllm serve` process on a free local port (engine in its own process)."""
+
+    def __init__(self, model: str, extra_args: list[str], log_path: str, served_name: str = SERVED_NAME,
+                 max_model_len: int = 1024, kv_cache_mib: int = 256) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            vllm_command()
+            + ["serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+               "--kv-cache-memory-bytes", str(kv_cache_mib * 1024 * 1024), "--seed", "0",
+               "--served-model-name", served_name]
+            + extra_args,
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:  # not listening yet
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
+
+    def rss_mib(self) -> float:
+        """Resident memory of the server and every process it started."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return total / 2**20
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class LoadResult:
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, body: dict, abort_after: int | None,
+                       result: LoadResult) -> None:
+    """Stream one chat completion; close it after ``abort_after`` chunks if given."""
+    chunks, tokens = 0, 0
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(str(event["error"])[:200])
+                usage = event.get("usage") or {}
+                tokens = usage.get("completion_tokens", tokens)
+                chunks += 1
+                if abort_after is not None and chunks >= abort_after:
+                    response.close()  # the client goes away mid-stream
+                    result.aborted += 1
+                    result.tokens += tokens
+                    return
+        result.completed += 1
+        result.tokens += tokens
+    except Exception as error:  # noqa: BLE001 - every failure is counted and reported
+        result.failed += 1
+        result.tokens += tokens
+        if len(result.errors) < 10:
+            result.errors.append(f"{type(error).__name__}: {error}")
+
+
+async def run_load(url: str, prompts: list[str], concurrency: int, seconds: float, abort_fraction: float,
+                   max_tokens: tuple[int, int], seed: int, max_requests: int) -> tuple[LoadResult, float]:
+    """``concurrency`` workers, each sending one request after another until ``seconds``
+    have passed or ``max_requests`` were started."""
+    result = LoadResult()
+    rng = random.Random(seed)
+    started = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal started
+        while time.monotonic() < deadline and started < max_requests:
+            started += 1
+            greedy = rng.random() < 0.5
+            body = {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": rng.choice(prompts)}],
+                "max_tokens": rng.randint(*max_tokens),
+                "temperature": 0.0 if greedy else 0.8,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
+            if not greedy:
+                body["seed"] = rng.randrange(1 << 30)
+            abort_after = rng.randint(1, 32) if rng.random() < abort_fraction else None
+            await _one_request(session, url, body, abort_after, result)
+
+    timeout = aiohttp.ClientTimeout(total=seconds + 600)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return result, time.monotonic() - start
+
+
+def fixed_greedy_text(url: str) -> str:
+    body = {"model": SERVED_NAME, "messages": FIXED_CHAT, "max_tokens": 64, "temperature": 0.0}
+    response = requests.post(url + "/v1/chat/completions", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def soak(args: argparse.Namespace) -> dict:
+    from vllm_fafo.assets import load_prompts, smollm2_dir
+
+    model = args.model or str(smollm2_dir())
+    spec = None if args.speculative_config == "none" else json.loads(args.speculative_config)
+    extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = VllmServer(model, extra, str(out / "server.log"), kv_cache_mib=args.kv_cache_mib)
+    rss: list[tuple[float, float]] = []
+    stop_sampling = threading.Event()
+    try:
+        server.wait_ready()
+        text_before = fixed_greedy_text(server.url)
+        start = time.monotonic()
+
+        def sample_rss() -> None:
+            while not stop_sampling.is_set():
+                rss.append((round(time.monotonic() - start, 1), round(server.rss_mib(), 1)))
+                stop_sampling.wait(args.rss_interval)
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        load, seconds = asyncio.run(run_load(
+            server.url, load_prompts("mtbench"), args.concurrency, args.seconds, args.abort_fraction,
+            (args.min_tokens, args.max_tokens), args.seed, args.max_requests,
+        ))
+        time.sleep(args.settle_seconds)  # aborted requests drain before the last sample
+        stop_sampling.set()
+        sampler.join()
+        text_after = fixed_greedy_text(server.url)
+    finally:
+        stop_sampling.set()
+        server.stop()
+    growth = rss[-1][1] - rss[0][1] if rss else 0.0
+    report = {
+        "speculative_config": spec,
+        "concurrency": args.concurrency,
+        "seconds": round(seconds, 1),
+        **{k: v for k, v in asdict(load).items() if k != "errors"},
+        "errors": load.errors,
+        "tokens_per_s": round(load.tokens / seconds, 2),
+        "rss_start_mib": rss[0][1] if rss else None,
+        "rss_end_mib": rss[-1][1] if rss else None,
+        "rss_peak_mib": max(r for _, r in rss) if rss else None,
+        "rss_growth_mib": round(growth, 1),
+        "same_text_before_and_after": text_before == text_after,
+        "rss_over_time": rss,
+    }
+    report["passed"] = bool(
+        load.failed == 0 and report["same_text_before_and_after"] and growth <= args.max_rss_growth_mib
+    )
+    (out / "soak.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2 build)")
+    parser.add_argument("--speculative-config", default='{"method": "fafo"}',
+                        help="JSON passed to vllm serve --speculative-config, or 'none' for plain vLLM")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests kept in flight")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long new requests are sent")
+    parser.add_argument("--max-requests", type=int, default=100_000, help="stop sending after this many")
+    parser.add_argument("--abort-fraction", type=float, default=0.2, help="share of requests closed mid-stream")
+    parser.add_argument("--min-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
+    parser.add_argument("--settle-seconds", type=float, default=5.0)
+    parser.add_argument("--max-rss-growth-mib", type=float, default=256.0,
+                        help="fail when the server's memory grew by more than this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/soak")
+    args = parser.parse_args()
+    for name in ("concurrency", "max_requests", "min_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.min_tokens > args.max_tokens:
+        parser.error(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
+    if not 0.0 <= args.abort_fraction <= 1.0:
+        parser.error(f"--abort-fraction must be in [0, 1], got {args.abort_fraction}")
+    report = soak(args)
+    summary = {k: v for k, v in report.items() if k != "rss_over_time"}
+    print(json.dumps(summary, indent=1))
+    sys.exit(0 if report["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

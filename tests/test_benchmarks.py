@@ -50,6 +50,15 @@ def test_selection_cost_command_runs():
     assert "| SmolLM2-135M | 300 |" in result.stdout
 
 
+def test_branch_attention_cost_command_runs_and_agrees_with_sdpa():
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "branch_attention_cost.py"),
+        "--contexts", "200", "--repeat", "1",
+    ]
+    result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
+    assert "| SmolLM2-135M | 200 | 6 |" in result.stdout
+
+
 def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     command = [
         sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"),

@@ -45,6 +45,18 @@ def test_tenants_are_kept_apart_and_the_least_recent_tenant_is_dropped():
     assert tenants.pool_for("a").match([1]) is None
 
 
+def test_keys_are_bounded_over_all_tenants_by_dropping_the_least_recent():
+    tenants = TenantPools(1, 4, min_key_len=1, max_keys=10, max_tenants=8, touch_on_lookup=True)
+    for tenant in ("a", "b", "c"):
+        pool = tenants.pool_for(tenant)
+        for token in range(6):
+            pool.add([token], (token + 1,), Origin.OUTPUT)
+        tenants.trim()
+        assert tenants.num_keys() <= 10
+    assert tenants.num_tenants == 1 and tenants.pool_for("c").match([5]) is not None
+    assert tenants.pool_for("b").match([5]) is None  # dropped whole, starts afresh
+
+
 def _announce_and_run(proposer, req_id, prompt, salt, sampled):
     batch = FakeBatch(max_model_len=64)
     batch.add(req_id, prompt, cache_salt=salt)

@@ -402,6 +402,8 @@ class FafoProposer:
             self._file_new_ngrams(state, history, num_tokens)
             found.append((state, *self._draft(state, history, num_tokens)))
             contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
+        if self.shared is not None:
+            self.shared.trim()
         self._learn(step, drafted[decoding], accepted[decoding], key_lens[decoding], lane_accepted)
         lengths = self.controller.choose_draft_lens(
             self._undrafted_tokens(step),

@@ -10,11 +10,13 @@ request's own pool is looked up first under every key
 
 A tenant is vLLM's ``cache_salt`` (the same value that isolates prefix-cache
 blocks): requests only see candidates of requests with the same salt;
-requests without one share the unsalted pool. Memory is bounded twice: each
-tenant's pool keeps at most ``max_keys`` keys (least recently used evicted,
-each key at most ``capacity`` candidates), and at most ``max_tenants`` tenants
-are kept (the least recently used one is dropped whole; its running requests
-keep filing into it until they finish, new ones of that tenant start afresh).
+requests without one share the unsalted pool. Memory is bounded by keys over
+all tenants: each tenant's pool keeps at most ``max_keys`` keys (least
+recently used evicted, each key at most ``capacity`` candidates), and once a
+step the least recently used tenants are dropped whole while all tenants
+together hold more than ``max_keys`` keys or there are more than
+``max_tenants`` (a dropped tenant's running requests keep filing into its
+pool until they finish; new requests of that tenant start afresh).
 """
 
 from __future__ import annotations
@@ -43,18 +45,24 @@ class TenantPools:
         pool = self._pools.get(tenant)
         if pool is None:
             pool = self._pools[tenant] = NgramPool(self.max_key_len, self.capacity, **self._pool_args)
-            if len(self._pools) > self.max_tenants:
-                self._pools.popitem(last=False)
+            self.trim()
         else:
             self._pools.move_to_end(tenant)
         return pool
+
+    def trim(self) -> None:
+        """Drop least recently used tenants while there are too many or they hold more
+        than ``max_keys`` keys together (the most recent one is bounded by its own cap)."""
+        max_keys = self._pool_args["max_keys"]
+        while len(self._pools) > 1 and (len(self._pools) > self.max_tenants or self.num_keys() > max_keys):
+            self._pools.popitem(last=False)
 
     @property
     def num_tenants(self) -> int:
         return len(self._pools)
 
     def num_keys(self) -> int:
-        """Keys held over all tenants (bounded by ``max_keys * max_tenants``)."""
+        """Keys held over all tenants (at most ``max_keys`` after :meth:`trim`)."""
         return sum(map(len, self._pools.values()))
 
     def num_entries(self) -> int:

@@ -15,8 +15,10 @@ the proposer's import path, and the FAFO settings ride to every worker in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
+import torch
 from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import current_platform
@@ -41,6 +43,7 @@ def translate_speculative_config(args: EngineArgs) -> None:
     config = parse_speculative_config(args.speculative_config)
     if config is None:
         return
+    config = lanes_off_by_default_on_cuda(args.speculative_config, config)
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise FafoConfigError(
             f"speculative_config method {config.method!r} runs on vLLM's V1 model runner "
@@ -59,6 +62,26 @@ def translate_speculative_config(args: EngineArgs) -> None:
         _make_room_for_lanes(args, config)
     elif config.num_candidates > 1:
         _make_room_for_tail(args, config, "draft-tree branches")
+
+
+def lanes_off_by_default_on_cuda(raw: dict, config: FafoConfig) -> FafoConfig:
+    """On CUDA, ``{"method": "fafo"}`` runs pool-only unless ``num_lanes`` is given.
+
+    Lanes need eager mode, which costs more than lanes earned in every GPU
+    measurement so far (H100, SmolLM2 bf16, batch 1, 2026-11-23: 15.9 ms per
+    step with lanes against 4.6 ms pool-only under CUDA graphs; README "GPU
+    figures"). Asking for lanes by name keeps them.
+    """
+    asked = "num_lanes" in raw or "num-lanes" in raw
+    if config.method != "fafo" or asked or not current_platform.is_cuda() or config.num_lanes == 0:
+        return config
+    logger.info(
+        "vllm-fafo: on CUDA lanes are off unless num_lanes is set: they force eager mode "
+        "(no CUDA graphs), which costs more per step than they earn; running pool-only"
+    )
+    config = dataclasses.replace(config, num_lanes=0)
+    config.validate()
+    return config
 
 
 def _make_room_for_tail(args: EngineArgs, config: FafoConfig, what: str) -> None:
@@ -128,6 +151,29 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
     args.attention_backend = AttentionBackendEnum.CUSTOM
 
 
+def refuse_inexact_branches(vllm_config) -> None:
+    """Draft-tree branches need float32: their attention is not vLLM's kernel.
+
+    A branch token's logits come from the plugin's own attention over the paged
+    cache (:mod:`vllm_fafo.attention.branch_attention`), not from the kernel
+    that computes the same position for plain vLLM. In float32 the two differ
+    by float32 rounding (identity tested on CPU); in bfloat16 the difference
+    flipped a greedy token on an H100 (2026-11-23), so the tree would not be
+    lossless. Checked on the resolved config, where ``dtype="auto"`` is known.
+    """
+    settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if settings is None or settings["num_candidates"] == 1:
+        return
+    dtype = vllm_config.model_config.dtype
+    if dtype != torch.float32:
+        raise FafoConfigError(
+            f"speculative_config num_candidates={settings['num_candidates']} verifies draft-tree "
+            f"branches with the plugin's own attention, which matches vLLM's kernel only in float32; "
+            f"the model runs in {dtype}, where a branch could accept a token plain vLLM would not "
+            "pick. Set num_candidates to 1, or dtype to float32"
+        )
+
+
 def _backend_name(backend: AttentionBackendEnum | str | None) -> str | None:
     if isinstance(backend, AttentionBackendEnum):
         return backend.name
@@ -144,7 +190,9 @@ def apply() -> None:
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
         translate_speculative_config(self)
-        return original(self, *args, **kwargs)
+        vllm_config = original(self, *args, **kwargs)
+        refuse_inexact_branches(vllm_config)
+        return vllm_config
 
     create_engine_config.vllm_fafo_patch = __name__
     EngineArgs.create_engine_config = create_engine_config

@@ -67,3 +67,23 @@ def test_lane_settings_accepted():
         {"method": "fafo", "num_lanes": 16, "lane_len": 6, "kv_budget": 128, "sink_tokens": 0}
     )
     assert (config.num_lanes, config.lane_len, config.kv_budget) == (16, 6, 128)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_draft_trees_refused_below_float32_with_key_value_and_fix(model_dir, dtype):
+    """Branch attention is the plugin's own, not the kernel plain vLLM runs: exact only in float32."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=model_dir, dtype=dtype,
+                      speculative_config={"method": "fafo", "num_lanes": 0, "num_candidates": 4})
+    with pytest.raises(FafoConfigError, match=r"num_candidates=4 .*float32.*Set num_candidates to 1"):
+        args.create_engine_config()
+
+
+def test_draft_trees_accepted_in_float32_and_spine_only_in_any_dtype(model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    tree = {"method": "fafo", "num_lanes": 0, "num_candidates": 4}
+    assert EngineArgs(model=model_dir, dtype="float32", speculative_config=tree).create_engine_config()
+    spine = {"method": "fafo", "num_lanes": 0}
+    assert EngineArgs(model=model_dir, dtype="bfloat16", speculative_config=spine).create_engine_config()

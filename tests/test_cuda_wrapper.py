@@ -198,6 +198,27 @@ def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
     assert pool_only.attention_backend is None
 
 
+def test_lanes_are_off_on_cuda_unless_asked_for_by_name(model_dir, monkeypatch):
+    """Lanes force eager mode; on CUDA the default keeps vLLM's CUDA graphs (pool only)."""
+    from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
+    from vllm_fafo.patches import engine_args
+
+    def translated(platform: str, spec: dict) -> EngineArgs:
+        if platform != "cpu":  # this machine's own platform otherwise
+            monkeypatch.setattr(engine_args, "current_platform", fake_platform(platform))
+        args = EngineArgs(model=model_dir, speculative_config=dict(spec))
+        engine_args.translate_speculative_config(args)
+        return args
+
+    assert translated("cpu", {"method": "fafo"}).additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 16
+    default = translated("cuda", {"method": "fafo"})
+    assert default.additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 0
+    assert not default.enforce_eager and default.attention_backend is None
+    for spec in ({"method": "fafo", "num_lanes": 16}, {"method": "fafo", "num-lanes": 16}):
+        assert translated("cuda", spec).additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 16
+    assert translated("cuda", {"method": "lookahead"}).enforce_eager  # lanes are that mode
+
+
 @pytest.mark.parametrize(
     "platform, kwargs, message",
     [

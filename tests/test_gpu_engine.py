@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
 from vllm_fafo.metrics import collect_metrics
 
 from .engine_utils import (
@@ -51,16 +52,34 @@ def gpu_plain_llm(model_dir, batch_invariant):
 
 
 LANE_SPECS = {
-    "streaming": {"method": "fafo", "compression": "streaming", "kv_budget": 64, "sink_tokens": 4,
+    "streaming": {"method": "fafo", "num_lanes": 16, "compression": "streaming", "kv_budget": 64, "sink_tokens": 4,
                   "controller": "fixed"},
-    "quest": {"method": "fafo", "compression": "quest", "kv_budget": 64, "sink_tokens": 4, "controller": "fixed"},
+    "quest": {"method": "fafo", "num_lanes": 16, "compression": "quest", "kv_budget": 64, "sink_tokens": 4,
+              "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
+    "default": {"method": "fafo"},  # pool only: on CUDA lanes are off unless num_lanes is set
 }
+# Draft trees are refused in bfloat16 (tests/test_config.py): their branch attention
+# is not the kernel's, and on an H100 a bf16 tree diverged from plain vLLM at a near tie.
+
+# What each configuration must show accepted during the batch-1 run, beyond identity.
+def _lane_tokens(metrics: dict) -> int:
+    return metrics["accepted_tokens"]["lane"]
+
+
+def _all_tokens(metrics: dict) -> int:
+    return sum(metrics["accepted_tokens"].values())
+
+
+ACCEPTED_BY = {"streaming": _lane_tokens, "quest": _lane_tokens, "lookahead": _lane_tokens,
+               "default": _all_tokens}
 
 
 @pytest.fixture(scope="module", params=list(LANE_SPECS))
 def gpu_lanes_llm(request, model_dir, batch_invariant):
-    return make_llm(model_dir, LANE_SPECS[request.param], **GPU_KWARGS)
+    llm = make_llm(model_dir, LANE_SPECS[request.param], **GPU_KWARGS)
+    llm.fafo_case = request.param
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +91,12 @@ def gpu_prompts(gpu_plain_llm):
 
 def test_lanes_run_on_the_flash_attention_wrapper(gpu_lanes_llm):
     config = gpu_lanes_llm.llm_engine.vllm_config
-    assert config.attention_config.backend.name == "CUSTOM"
+    backend = config.attention_config.backend
+    if gpu_lanes_llm.fafo_case == "default":  # pool only: vLLM's own backend
+        assert config.additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 0
+        assert backend is None or backend.name != "CUSTOM"
+    else:
+        assert backend.name == "CUSTOM"
 
 
 def test_batch1_identical_to_plain_and_lane_ngrams_accepted(gpu_plain_llm, gpu_lanes_llm, gpu_prompts):
@@ -82,7 +106,8 @@ def test_batch1_identical_to_plain_and_lane_ngrams_accepted(gpu_plain_llm, gpu_l
     got = token_ids(generate_one_by_one(gpu_lanes_llm, prompts, greedy(128)))
     assert_same_tokens(expected, got)
     after = collect_metrics(gpu_lanes_llm)
-    assert after["accepted_tokens"]["lane"] > before["accepted_tokens"]["lane"]
+    accepted = ACCEPTED_BY[gpu_lanes_llm.fafo_case]
+    assert accepted(after) > accepted(before)
 
 
 def test_concurrent_requests_identical_to_plain(gpu_plain_llm, gpu_lanes_llm, gpu_prompts):

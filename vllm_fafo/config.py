@@ -24,6 +24,11 @@ ADDITIONAL_CONFIG_KEY = "fafo"
 PROPOSER_CLASS_PATH = "vllm_fafo.proposer.FafoProposer"
 
 
+def user_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A user's speculative_config keys as field names: vLLM's CLI spells them with dashes."""
+    return {k.replace("-", "_"): v for k, v in raw.items()}
+
+
 @dataclass(frozen=True)
 class FafoConfig:
     """Validated FAFO settings (FAFO Sec. 4.2-4.3, App. F)."""
@@ -103,7 +108,7 @@ class FafoConfig:
             raise FafoConfigError(
                 f"speculative_config must be a dict, got {type(raw).__name__}"
             )
-        settings = {k.replace("-", "_"): v for k, v in raw.items()}
+        settings = user_settings(raw)
         method = settings.pop("method", None)
         if method != METHOD:
             raise FafoConfigError(

@@ -24,13 +24,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_fafo.config import METHOD, FafoConfig
+from vllm_fafo.config import METHOD, FafoConfig, user_settings
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 
 
 def _read_keys(cls, method: str, raw: dict[str, Any]):
     """``cls(**keys)`` after refusing unknown keys, naming the allowed ones."""
-    settings = {k.replace("-", "_"): v for k, v in raw.items() if k != "method"}
+    settings = user_settings(raw)
+    settings.pop("method", None)
     allowed = [f.name for f in dataclasses.fields(cls)]
     for key in settings:
         if key not in allowed:

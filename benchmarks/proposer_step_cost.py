@@ -42,6 +42,7 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
     return FafoProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
         additional_config={"fafo": config.to_dict()},
+        instance_id="", parallel_config=SimpleNamespace(data_parallel_rank=0),
         model_config=SimpleNamespace(max_model_len=max_model_len),
     ))
 

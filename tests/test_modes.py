@@ -122,6 +122,7 @@ def make_mode_proposer(config: FafoConfig) -> FafoProposer:
     vllm_config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
         additional_config={"fafo": config.to_dict()},
+        instance_id="", parallel_config=SimpleNamespace(data_parallel_rank=0),
         model_config=SimpleNamespace(max_model_len=4096),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
         device_config=SimpleNamespace(device="cpu"),

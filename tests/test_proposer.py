@@ -20,6 +20,7 @@ def make_proposer(max_model_len=4096, **settings) -> FafoProposer:
             num_speculative_tokens=config.num_speculative_tokens
         ),
         additional_config={"fafo": config.to_dict()},
+        instance_id="", parallel_config=SimpleNamespace(data_parallel_rank=0),
         model_config=SimpleNamespace(max_model_len=max_model_len),
     )
     return FafoProposer(vllm_config)

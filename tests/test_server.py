@@ -12,6 +12,7 @@ import time
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.soak import VllmServer, vllm_command
 
@@ -94,6 +95,39 @@ def test_fafo_server_speculates(servers):
         if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
     ]
     assert accepted and sum(accepted) > 0
+
+
+def _samples(server: Server) -> dict[tuple[str, frozenset], float]:
+    """The server's /metrics, as (sample name, labels) -> value."""
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
+
+def _total(samples: dict, name: str) -> float:
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+def test_fafo_counters_on_metrics_next_to_vllms(servers):
+    """FAFO's counters reach the front process's /metrics with vLLM's labels, and its
+    accepted tokens by origin add up to vLLM's own accepted-token counter."""
+    plain, fafo = servers
+    fafo.post("/v1/completions", _completion_body())
+    deadline = time.time() + 30
+    while True:  # the worker publishes about once a second and when it goes idle
+        samples = _samples(fafo)
+        accepted = _total(samples, "vllm:fafo_accepted_tokens_total")
+        if accepted == _total(samples, "vllm:spec_decode_num_accepted_tokens_total") or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert accepted == _total(samples, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    labels = frozenset({"model_name": "smollm2", "engine": "0"}.items())
+    assert samples[("vllm:fafo_propose_calls_total", labels)] > 0
+    assert 0 < samples[("vllm:fafo_pool_hits_total", labels)] <= samples[("vllm:fafo_lookups_total", labels)]
+    assert samples[("vllm:fafo_requests_tracked", labels)] == 0  # idle again
+    assert not any(name.startswith("vllm:fafo_") for name, _ in _samples(plain))
 
 
 def test_bad_config_fails_fast_with_its_message(model_dir, tmp_path):

@@ -114,6 +114,41 @@ def smollm2_dir() -> Path:
     return out
 
 
+def smollm2_tp2_dir() -> Path:
+    """SmolLM2-135M-Instruct with 12 query and 4 KV heads instead of 9 and 3, so that
+    ``tensor_parallel_size`` 2 divides them; the added heads are zero (their keys,
+    values and output projection), so the model computes what SmolLM2 computes."""
+    out = cache_dir() / "SmolLM2-135M-Instruct-tp2"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = smollm2_dir()
+    config = json.loads((source / "config.json").read_text())
+    head_dim, kv_heads, group = config["head_dim"], config["num_key_value_heads"], (
+        config["num_attention_heads"] // config["num_key_value_heads"])
+    weights = load_file(source / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            weights[name] = torch.cat([tensor, tensor.new_zeros(head_dim, tensor.shape[1])])
+        elif name.endswith("self_attn.q_proj.weight"):
+            weights[name] = torch.cat([tensor, tensor.new_zeros(group * head_dim, tensor.shape[1])])
+        elif name.endswith("self_attn.o_proj.weight"):
+            weights[name] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], group * head_dim)], dim=1)
+    config.update(num_attention_heads=(kv_heads + 1) * group, num_key_value_heads=kv_heads + 1)
+    tmp_out = out.with_name(out.name + ".part")
+    tmp_out.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name not in ("model.safetensors", "config.json") and item.is_file():
+            (tmp_out / item.name).write_bytes(item.read_bytes())
+    (tmp_out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()},
+              tmp_out / "model.safetensors", metadata={"format": "pt"})
+    tmp_out.rename(out)
+    return out
+
+
 def shaped_model_dir(shape: str) -> Path:
     """An HF folder (config and SmolLM2's tokenizer, no weights) of a model body
     in :data:`SHAPES`, for vLLM with ``load_format="dummy"``."""

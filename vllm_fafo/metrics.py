@@ -58,21 +58,11 @@ class FafoMetrics:
         return asdict(self)
 
 
-def _worker_metrics(worker: Any) -> dict[str, Any] | None:
+def worker_metrics(worker: Any) -> dict[str, Any] | None:
     drafter = getattr(worker.model_runner, "drafter", None)
-    metrics = getattr(drafter, "metrics", None)
-    if not isinstance(metrics, FafoMetrics):
+    if not isinstance(getattr(drafter, "metrics", None), FafoMetrics):
         return None
-    lanes = drafter.lanes
-    shared = drafter.shared
-    return {
-        **metrics.as_dict(),
-        "requests_tracked": drafter.num_tracked_requests,
-        "requests_with_region": 0 if lanes is None else lanes.num_regions_in_use,
-        "shared_pool_tenants": 0 if shared is None else shared.num_tenants,
-        "shared_pool_keys": 0 if shared is None else shared.num_keys(),
-        "controller": drafter.controller.summary(),
-    }
+    return drafter.metrics_snapshot()
 
 
 def collect_metrics(llm: Any) -> dict[str, Any]:
@@ -81,7 +71,7 @@ def collect_metrics(llm: Any) -> dict[str, Any]:
     ``requests_with_region``: those holding a compressed-region row;
     ``shared_pool_tenants`` and ``shared_pool_keys``: what the shared pool holds) and the goodput
     controller's latest choices and cost curve under ``"controller"``."""
-    results = llm.collective_rpc(_worker_metrics)
+    results = llm.collective_rpc(worker_metrics)
     if not results or results[0] is None:
         raise RuntimeError("this engine does not run the FAFO proposer")
     return results[0]

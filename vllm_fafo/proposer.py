@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,9 +46,11 @@ from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
 from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
+from vllm_fafo.metrics_export import SnapshotPublisher
 from vllm_fafo.pool import Match, NgramPool, Origin, match_pools
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
+from vllm_fafo.tp_sync import RankZeroStepTime
 from vllm_fafo.tree import (
     PLACEHOLDER,
     Branch,
@@ -171,6 +174,8 @@ class FafoProposer:
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           self.config.max_key_len)
         self._last_log = time.monotonic()
+        self.publisher = SnapshotPublisher.for_worker(vllm_config)
+        self._step_time = RankZeroStepTime.for_worker()
         self._requests: dict[str, RequestState] = {}
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
@@ -225,7 +230,10 @@ class FafoProposer:
     ) -> None:
         """1. vLLM applied the scheduler output: free finished or aborted requests; note
         the tenant (``cache_salt``) of each new one."""
+        had_requests = bool(self._requests)
         self.remove_requests(finished_req_ids)
+        if self.publisher is not None and had_requests and not self._requests:
+            self.publisher.publish(self.metrics_snapshot())  # going idle: no periodic publish follows
         self._tenants.update(new_request_tenants)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens)
 
@@ -349,6 +357,18 @@ class FafoProposer:
     def num_tracked_requests(self) -> int:
         return len(self._requests)
 
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """The counters, with gauges of what the proposer holds and the controller's
+        latest choices (vllm_fafo.metrics.collect_metrics documents the keys)."""
+        return {
+            **self.metrics.as_dict(),
+            "requests_tracked": len(self._requests),
+            "requests_with_region": 0 if self.lanes is None else self.lanes.num_regions_in_use,
+            "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
+            "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
+            "controller": self.controller.summary(),
+        }
+
     def forget_shared_pool(self) -> None:
         """Empty every tenant's shared pool, so a benchmark's runs do not learn each
         other's answers."""
@@ -465,9 +485,12 @@ class FafoProposer:
     def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, key_lens: np.ndarray,
                lane_accepted: int) -> None:
         """Feed the controller this step's cost and yields; log its state now and then."""
+        seconds = time.perf_counter() - step.started
+        if self._step_time is not None:
+            seconds = self._step_time.share(seconds)
         self.controller.observe(StepOutcome(
             tokens=step.num_scheduled_tokens + step.tail_tokens,
-            seconds=time.perf_counter() - step.started,
+            seconds=seconds,
             lane_tokens=step.lane_tokens,
             lane_accepted=lane_accepted,
             text_accepted=int(accepted.sum()) - lane_accepted,
@@ -476,6 +499,8 @@ class FafoProposer:
             key_lens=key_lens,
         ))
         now = time.monotonic()
+        if self.publisher is not None and self.publisher.is_due(now):
+            self.publisher.publish(self.metrics_snapshot(), now)
         if now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
             summary = self.controller.summary()

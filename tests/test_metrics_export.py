@@ -1,0 +1,91 @@
+"""The /metrics route: worker snapshot -> file -> Prometheus collector (no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm_fafo.metrics import FafoMetrics
+from vllm_fafo.metrics_export import (
+    COUNTERS,
+    GAUGES,
+    SNAPSHOT_FILE,
+    FafoStatLogger,
+    SnapshotCollector,
+    SnapshotPublisher,
+    snapshot_dir,
+)
+from vllm_fafo.pool import Origin
+
+from .test_proposer import make_proposer
+
+
+def _snapshot(**counters) -> dict:
+    metrics = FafoMetrics(**counters)
+    metrics.record_draft([Origin.PROMPT, Origin.LANE])
+    metrics.record_acceptance([Origin.PROMPT])
+    return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
+            "shared_pool_tenants": 1, "shared_pool_keys": 40,
+            "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}
+
+
+def test_every_counter_and_gauge_is_exported():
+    """A counter added to FafoMetrics or the snapshot must get a metric (and a README line)."""
+    snapshot_keys = set(_snapshot()) - {"controller"}
+    assert set(COUNTERS) == {f.name for f in fields(FafoMetrics)}
+    assert set(COUNTERS) | set(GAUGES) == snapshot_keys
+
+
+def test_publisher_writes_only_into_a_directory_the_front_made(tmp_path):
+    directory = tmp_path / "engine0"
+    publisher = SnapshotPublisher(directory, interval_s=1.0)
+    assert publisher.is_due(0.0)
+    publisher.publish(_snapshot(), now=0.0)
+    assert not directory.exists()  # offline LLM: nobody reads, nothing written
+    directory.mkdir()
+    assert not publisher.is_due(0.5) and publisher.is_due(1.0)
+    publisher.publish(_snapshot(propose_calls=7), now=1.0)
+    assert [p.name for p in directory.iterdir()] == [SNAPSHOT_FILE]
+
+
+def test_collector_exports_the_snapshot_with_vllm_labels(tmp_path):
+    SnapshotPublisher(tmp_path).publish(_snapshot(propose_calls=7, tail_tokens=95))
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(tmp_path / SNAPSHOT_FILE, "smollm2", 0))
+    value = registry.get_sample_value
+    labels = {"model_name": "smollm2", "engine": "0"}
+    assert value("vllm:fafo_propose_calls_total", labels) == 7
+    assert value("vllm:fafo_tail_tokens_total", labels) == 95
+    assert value("vllm:fafo_pool_hits_total", labels) == 1
+    assert value("vllm:fafo_proposed_tokens_total", {**labels, "origin": "lane"}) == 1
+    assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "prompt"}) == 1
+    assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "lane"}) == 0
+    assert value("vllm:fafo_shared_pool_keys", labels) == 40
+    assert value("vllm:fafo_controller_lanes", {**labels, "controller": "fixed"}) == 16
+    assert 0 <= value("vllm:fafo_snapshot_age_seconds", labels) < 60
+    assert b"# HELP vllm:fafo_tail_tokens_total Fumble-lane tokens" in generate_latest(registry)
+
+
+def test_collector_is_empty_before_the_first_snapshot(tmp_path):
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(tmp_path / SNAPSHOT_FILE, "m", 0))
+    assert generate_latest(registry) == b""
+
+
+def test_goodput_controller_curve_is_exported(tmp_path):
+    proposer = make_proposer(controller="goodput")
+    SnapshotPublisher(tmp_path).publish(proposer.metrics_snapshot())
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(tmp_path / SNAPSHOT_FILE, "m", 1))
+    labels = {"model_name": "m", "engine": "1", "controller": "goodput"}
+    assert registry.get_sample_value("vllm:fafo_controller_draft_len", labels) == proposer.num_speculative_tokens
+    text = generate_latest(registry).decode()
+    assert 'vllm:fafo_draft_reach_probability{' in text and 'position="1"' in text
+
+
+def test_stat_logger_is_inert_without_fafo():
+    config = SimpleNamespace(additional_config=None, instance_id="x")
+    assert not FafoStatLogger(config, 0).exporting
+    assert not snapshot_dir("x", 0).exists()

@@ -146,6 +146,8 @@ def run_method_cells(args: argparse.Namespace) -> None:
         enforce_eager=not args.cuda_graphs,
         seed=0,
         max_model_len=args.max_model_len,
+        hf_overrides=None if args.max_position_embeddings is None else {
+            "max_position_embeddings": args.max_position_embeddings},
         disable_log_stats=False,
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         speculative_config=spec,
@@ -358,6 +360,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-position-embeddings", type=int, default=None,
+                        help="override the model's trained positions (hf_overrides), to run a "
+                             "max_model_len past them: SmolLM2 has 8192, the long16k prompts need "
+                             "--max-model-len 16896 and this at least as large")
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", default=None, help="HF folder; default: SmolLM2 built offline")
     model.add_argument("--shape", default=None, choices=sorted(SHAPES),

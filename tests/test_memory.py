@@ -48,7 +48,7 @@ def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, hea
     return total
 
 
-def _layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
+def layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
     """(lane bytes, Hq, Hk, D) of every attention layer of a worker's model."""
     context = worker.model_runner.vllm_config.compilation_config.static_forward_context
     out = []
@@ -60,7 +60,7 @@ def _layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
 
 
 def _check_formula(llm, spec: dict) -> None:
-    (layers,) = llm.collective_rpc(_layer_lane_bytes)
+    (layers,) = llm.collective_rpc(layer_lane_bytes)
     rows = min(spec.get("max_lane_requests", 8), llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     assert len(layers) == llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     for held, num_heads, num_kv_heads, head_size in layers:
@@ -81,7 +81,7 @@ def test_policy_lane_bytes_match_the_readme_formula(policy_llm):
 @pytest.mark.engine
 def test_engines_without_lanes_hold_no_lane_memory(plain_llm, pool_only_llm):
     for llm in (plain_llm, pool_only_llm):
-        (layers,) = llm.collective_rpc(_layer_lane_bytes)
+        (layers,) = llm.collective_rpc(layer_lane_bytes)
         assert layers and all(held == 0 for held, *_ in layers)
 
 
@@ -100,17 +100,17 @@ _KV_PROBE = """
 import json, sys
 from vllm import LLM
 from vllm.v1.worker.cpu_worker import CPUWorker
-from tests.test_memory import _layer_lane_bytes
+from tests.test_memory import layer_lane_bytes
 seen = {}
 size_kv_cache = CPUWorker.determine_available_memory
 def recording(worker):
-    seen["lane_bytes_when_sized"] = sum(b for b, *_ in _layer_lane_bytes(worker))
+    seen["lane_bytes_when_sized"] = sum(b for b, *_ in layer_lane_bytes(worker))
     return size_kv_cache(worker)
 CPUWorker.determine_available_memory = recording
 spec = json.loads(sys.argv[1])
 llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
           gpu_memory_utilization=0.3, enable_prefix_caching=False, speculative_config=spec)
-(layers,) = llm.collective_rpc(_layer_lane_bytes)
+(layers,) = llm.collective_rpc(layer_lane_bytes)
 (kv_config,) = llm.collective_rpc(lambda worker: worker.model_runner.kv_cache_config)
 seen["kv_cache_bytes"] = sum(t.size for t in kv_config.kv_cache_tensors)
 seen["lane_bytes"] = sum(b for b, *_ in layers)

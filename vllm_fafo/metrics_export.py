@@ -32,6 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
 from vllm_fafo.log import init_logger
@@ -216,7 +217,13 @@ class FafoStatLogger(StatLoggerBase):
         weakref.finalize(self, _close, REGISTRY, collector, directory)
         self.exporting = True
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
         pass
 
     def log_engine_initialized(self) -> None:

@@ -30,6 +30,7 @@ from vllm_fafo.config import (
     PROPOSER_CLASS_PATH,
     FafoConfig,
     FafoConfigError,
+    fafo_settings,
     user_settings,
 )
 from vllm_fafo.log import init_logger
@@ -160,7 +161,7 @@ def refuse_inexact_branches(vllm_config) -> None:
     flipped a greedy token on an H100 (2026-11-23), so the tree would not be
     lossless. Checked on the resolved config, where ``dtype="auto"`` is known.
     """
-    settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    settings = fafo_settings(vllm_config)
     if settings is None or settings["num_candidates"] == 1:
         return
     dtype = vllm_config.model_config.dtype

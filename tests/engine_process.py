@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 TP2_CONCURRENT_PROMPTS = 4
@@ -75,6 +77,18 @@ def long16k(spec: dict | None) -> dict[str, Any]:
 
 
 CASES = {"tp2": tp2, "long16k": long16k}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_case(case: str, spec: dict | None, tmp_path: Path) -> dict:
+    """``case`` with ``spec`` (None: plain vLLM), in its own process: what the test calls."""
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine_process", case, "none" if spec is None else json.dumps(spec), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads(out.read_text())
 
 
 def main() -> None:

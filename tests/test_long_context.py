@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 
 from .conftest import LANES_SPEC
-from .engine_process import LONG_MODEL_LEN
+from .engine_process import LONG_MODEL_LEN, run_case
 from .engine_utils import assert_same_tokens
 from .test_memory import readme_formula
-from .test_tp_engine import run_case
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

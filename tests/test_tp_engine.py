@@ -7,30 +7,13 @@ heads padded to a multiple of two (vllm_fafo.assets.smollm2_tp2_dir).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from .conftest import LANES_SPEC
+from .engine_process import run_case
 from .engine_utils import assert_same_tokens
 
 pytestmark = pytest.mark.engine
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_case(case: str, spec: dict | None, tmp_path: Path) -> dict:
-    """tests/engine_process.py's ``case`` with ``spec`` (None: plain vLLM), in its own process."""
-    out = tmp_path / "out.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.engine_process", case, "none" if spec is None else json.dumps(spec), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -141,12 +141,7 @@ def smollm2_tp2_dir() -> Path:
         elif name.endswith("self_attn.o_proj.weight"):
             weights[name] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], group * head_dim)], dim=1)
     config.update(num_attention_heads=(kv_heads + 1) * group, num_key_value_heads=kv_heads + 1)
-    tmp_out = out.with_name(out.name + ".part")
-    tmp_out.mkdir(parents=True, exist_ok=True)
-    for item in source.iterdir():
-        if item.name not in ("model.safetensors", "config.json") and item.is_file():
-            (tmp_out / item.name).write_bytes(item.read_bytes())
-    (tmp_out / "config.json").write_text(json.dumps(config, indent=2))
+    tmp_out = _model_folder_with_config(source, out, config)
     save_file({name: tensor.contiguous() for name, tensor in weights.items()},
               tmp_out / "model.safetensors", metadata={"format": "pt"})
     tmp_out.rename(out)
@@ -162,16 +157,22 @@ def shaped_model_dir(shape: str) -> Path:
     if (out / "config.json").exists():
         return out
     source = smollm2_dir()
+    config = json.loads((source / "config.json").read_text())
+    config.update(SHAPES[shape], torch_dtype="bfloat16")
+    _model_folder_with_config(source, out, config).rename(out)
+    return out
+
+
+def _model_folder_with_config(source: Path, out: Path, config: dict) -> Path:
+    """``out``'s staging folder (renamed to ``out`` by the caller when complete): the
+    tokenizer and other files of ``source``, without its weights, and ``config``."""
     tmp_out = out.with_name(out.name + ".part")
     tmp_out.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
-        if item.name != "model.safetensors" and item.is_file():
+        if item.name not in ("model.safetensors", "config.json") and item.is_file():
             (tmp_out / item.name).write_bytes(item.read_bytes())
-    config = json.loads((source / "config.json").read_text())
-    config.update(SHAPES[shape], torch_dtype="bfloat16")
     (tmp_out / "config.json").write_text(json.dumps(config, indent=2))
-    tmp_out.rename(out)
-    return out
+    return tmp_out
 
 
 def load_prompts(dataset: str, limit: int | None = None) -> list[str]:

@@ -24,6 +24,11 @@ ADDITIONAL_CONFIG_KEY = "fafo"
 PROPOSER_CLASS_PATH = "vllm_fafo.proposer.FafoProposer"
 
 
+def fafo_settings(vllm_config: Any) -> dict[str, Any] | None:
+    """The validated FAFO settings the plugin stored in a vLLM config; None for other engines."""
+    return (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+
+
 def user_settings(raw: dict[str, Any]) -> dict[str, Any]:
     """A user's speculative_config keys as field names: vLLM's CLI spells them with dashes."""
     return {k.replace("-", "_"): v for k, v in raw.items()}
@@ -230,7 +235,7 @@ class RegionSpec:
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> RegionSpec | None:
         """None when the engine runs no lanes (or is not a FAFO engine)."""
-        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        settings = fafo_settings(vllm_config)
         if settings is None:
             return None
         config = FafoConfig.from_dict(settings)

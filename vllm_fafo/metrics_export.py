@@ -34,7 +34,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
+from vllm_fafo.config import fafo_settings
 from vllm_fafo.log import init_logger
 
 logger = init_logger(__name__)
@@ -84,10 +84,6 @@ CONTROLLER_GAUGES: dict[str, str] = {
 def snapshot_dir(instance_id: str, engine_index: int) -> Path:
     """Where the snapshot of one engine is exchanged (made and removed by the front process)."""
     return Path(tempfile.gettempdir()) / f"vllm-fafo-metrics-{instance_id}-engine{engine_index}"
-
-
-def fafo_enabled(vllm_config: VllmConfig) -> bool:
-    return ADDITIONAL_CONFIG_KEY in (vllm_config.additional_config or {})
 
 
 class SnapshotPublisher:
@@ -197,12 +193,11 @@ def _close(registry: CollectorRegistry, collector: SnapshotCollector, directory:
 class FafoStatLogger(StatLoggerBase):
     """vLLM stat-logger plugin: exports one engine's FAFO snapshot on ``/metrics``.
 
-    Inert for engines without FAFO. The collector reads the snapshot at scrape
-    time, so ``record`` (called for every engine output) does nothing."""
+    Inert for engines without FAFO."""
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         self.exporting = False
-        if not fafo_enabled(vllm_config):
+        if fafo_settings(vllm_config) is None:
             return
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             logger.warning(
@@ -224,7 +219,7 @@ class FafoStatLogger(StatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
-        pass
+        """Nothing per output: the collector reads the worker's snapshot at scrape time."""
 
     def log_engine_initialized(self) -> None:
         if self.exporting:

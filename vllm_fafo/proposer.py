@@ -40,7 +40,7 @@ import torch
 from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import paged_kv_readable
-from vllm_fafo.config import ADDITIONAL_CONFIG_KEY, FafoConfig, FafoConfigError, RegionSpec
+from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import StepOutcome, make_controller
@@ -160,7 +160,7 @@ class FafoProposer:
     def __init__(self, vllm_config: VllmConfig) -> None:
         spec_config = vllm_config.speculative_config
         assert spec_config is not None
-        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        settings = fafo_settings(vllm_config)
         if settings is None:
             raise RuntimeError(
                 "FafoProposer needs additional_config['fafo']; enable FAFO with "

@@ -15,7 +15,9 @@ A method is a built-in name (``none``, ``ngram``, ``suffix`` when
 arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABEL=JSON`` for any
 speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
 
-Figures per cell: tau (decoded tokens / target forward steps per request),
+Figures per cell: tau (decoded tokens / the forwards that gave each request tokens,
+counted per request; vLLM's own ratio, ``tau_vllm``, also counts drafts accepted past
+``max_tokens`` or EOS and so flatters long drafts),
 output tokens/s, wall time per forward step (batch 1), speedup over ``none``,
 ``ngram`` and ``suffix`` (same run, where they ran),
 tail tokens per step (fumble-lane tokens run behind the real ones), peak resident memory of the method's process, and whether the
@@ -57,7 +59,7 @@ DEFAULT_LANE_LEN = FafoConfig().lane_len
 BUILTIN_METHODS: dict[str, dict | None] = {
     "none": None,
     "ngram": NGRAM_SPEC,
-    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "suffix": {"method": "suffix"},  # vLLM's defaults: up to 24 draft tokens, length by match
     "fafo": {"method": "fafo"},
     "lookahead": {"method": "lookahead"},
     "cacheback": {"method": "cacheback"},
@@ -67,6 +69,28 @@ BUILTIN_METHODS: dict[str, dict | None] = {
 def engine_steps(llm) -> int:
     """Engine steps so far: the count of vLLM's tokens-per-engine-step histogram."""
     return int(sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"))
+
+
+def generate_counting_forwards(llm, prompts: list[str], params, id_prefix: str) -> tuple[list[list[int]], int]:
+    """Decode ``prompts`` together, as ``LLM.generate`` does (one ``LLMEngine.step`` per
+    forward), and count, per request, the forwards in which it got new tokens: their
+    sum is the denominator of tau, exact at any batch size."""
+    engine = llm.llm_engine
+    ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        engine.add_request(req_id, prompt, params)
+    seen = dict.fromkeys(ids, 0)
+    token_ids: dict[str, list[int]] = {}
+    forwards = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            produced = len(output.outputs[0].token_ids)
+            if produced > seen[output.request_id]:
+                seen[output.request_id] = produced
+                forwards += 1
+            if output.finished:
+                token_ids[output.request_id] = list(output.outputs[0].token_ids)
+    return [token_ids[req_id] for req_id in ids], forwards
 
 
 def parse_method(text: str) -> tuple[str, dict | None]:
@@ -171,27 +195,33 @@ def run_method_cells(args: argparse.Namespace) -> None:
         accepted_before = vllm_spec_counters(llm)["num_accepted_tokens"]
         engine_steps_before = engine_steps(llm)
         tail_before, tree_before, branch_before, steps_before = tail_counters()
-        outputs = []
+        token_ids: list[list[int]] = []
+        forwards = 0
         start = time.perf_counter()
         with tqdm(total=len(prompts), desc=f"{label} {dataset} b{batch_size}",
                   unit="prompt") as bar:
             for i in range(0, len(prompts), batch_size):
                 chunk = prompts[i : i + batch_size]
-                outputs += llm.generate(chunk, params, use_tqdm=False)
+                chunk_ids, chunk_forwards = generate_counting_forwards(
+                    llm, chunk, params, id_prefix=f"{dataset}-b{batch_size}-{i}")
+                token_ids += chunk_ids
+                forwards += chunk_forwards
                 bar.update(len(chunk))
         seconds = time.perf_counter() - start
         accepted = vllm_spec_counters(llm)["num_accepted_tokens"] - accepted_before
         forward_steps = engine_steps(llm) - engine_steps_before
         tail_after, tree_after, branch_after, steps_after = tail_counters()
         steps = steps_after - steps_before
-        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         tokens = sum(map(len, token_ids))
         cell = {
             "method": label, "dataset": dataset, "batch_size": batch_size,
             "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),
-            "tau": tokens / (tokens - accepted), "seconds": seconds,
+            # Per request, the forwards that gave it tokens (vLLM's own count, tokens over
+            # tokens - accepted, also counts drafts accepted past max_tokens or EOS).
+            "request_forwards": forwards,
+            "tau": tokens / forwards, "tau_vllm": tokens / (tokens - accepted), "seconds": seconds,
             # Engine steps, counted by vLLM (not tokens - accepted: vLLM also counts accepted
             # drafts that ran past max_tokens). At batch 1 each is one request's forward.
             "engine_steps": forward_steps,

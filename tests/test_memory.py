@@ -21,6 +21,7 @@ import torch
 from vllm_fafo.compression import QuestPolicy
 from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.compression.quest import QuestSettings
+from vllm_fafo.config import FafoConfig
 
 from .conftest import LANES_SPEC, POLICY_SPECS
 from .engine_utils import ENGINE_MAX_MODEL_LEN
@@ -38,7 +39,7 @@ def tensor_bytes(obj) -> int:
 def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, head_size: int,
                    max_model_len: int, dtype_bytes: int) -> int:
     """README "Memory": bytes of one attention layer's lane state."""
-    k = spec.get("num_speculative_tokens", 4)
+    k = spec.get("num_speculative_tokens", FafoConfig().num_speculative_tokens)
     per_token = 2 * num_kv_heads * head_size * dtype_bytes
     total = rows * (spec["kv_budget"] + k) * per_token + 8 * rows
     if spec.get("compression") == "quest":

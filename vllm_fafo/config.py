@@ -38,8 +38,10 @@ def user_settings(raw: dict[str, Any]) -> dict[str, Any]:
 class FafoConfig:
     """Validated FAFO settings (FAFO Sec. 4.2-4.3, App. F)."""
 
-    num_speculative_tokens: int = 4
-    """Longest draft proposed per step (the candidate n-gram length k)."""
+    num_speculative_tokens: int = 16
+    """Longest draft proposed per step (the candidate n-gram length k). Long because
+    the goodput controller cuts each draft where its tokens stop paying, and a found
+    continuation is often right for many tokens (code, quoted text; README "Draft length")."""
     max_key_len: int = 4
     """K: the longest suffix of the decoded text used as a pool key."""
     pool_capacity: int = 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -125,3 +126,28 @@ def test_projection_combines_tau_and_step_cost(tmp_path):
     assert "| mtbench | none | 1.000 | 11.00 | 1.00x | 1.00x |" in out
     assert "ngram" not in out
     assert (cost / "projection.md").read_text() == out.rstrip("\n") + "\n"
+
+
+def test_pool_replay_drafts_what_the_text_repeats():
+    from vllm_fafo.config import FafoConfig
+
+    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    replay = module.replay
+
+    def config(**keys):
+        return FafoConfig.from_user_dict({"method": "fafo", **keys})
+
+    prompt = list(range(100, 140))
+    copying = (prompt, prompt[:32])  # the answer quotes the prompt
+    fresh = (prompt, list(range(500, 532)))  # nothing in it was seen before
+    assert replay(config(), [fresh]) == {"tau": 1.0, "draft_tokens_per_forward": 0.0}
+    short = replay(config(num_speculative_tokens=4), [copying])
+    long = replay(config(num_speculative_tokens=16), [copying])
+    # After the prefill the quote is found under the first token and drafted in full:
+    # 31 tokens in ceil(31 / 5) forwards with 4-token drafts, ceil(31 / 17) with 16.
+    assert short["tau"] == 32 / (1 + 7) and long["tau"] == 32 / (1 + 2)
+    # The shared pool lets a later request draft an earlier one's answer; without it, not.
+    first, again = replay(config(), [fresh, fresh]), replay(config(share_pool=False), [fresh, fresh])
+    assert first["tau"] > again["tau"] == 1.0

@@ -109,6 +109,31 @@ def file_ngrams(
             pool.add(context, candidate, origin)
 
 
+def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: list[int],
+                room: int) -> tuple[list[int], list[Origin], int]:
+    """Chain candidates until ``room`` tokens or no key matches: the request's pool
+    first (then its tenant's shared pool, under each key), then the frozen table
+    (Cacheback Sec. 3.3). ``context`` is the text's last ``max_key_len`` tokens.
+    Returns the draft, each token's origin, and the length of the key the first
+    candidate was found under (the controller cuts the draft by it)."""
+    max_key_len = pools[0].max_key_len
+    draft: list[int] = []
+    origins: list[Origin] = []
+    first_key_len = 0
+    while len(draft) < room:
+        found: Match | None = match_pools(pools, context)
+        if found is None and frozen is not None:
+            found = frozen.match(context)
+        if found is None:
+            break
+        first_key_len = first_key_len or found.key_len
+        piece = list(found.candidate[: room - len(draft)])
+        draft += piece
+        origins += [found.origin] * len(piece)
+        context = (context + piece)[-max_key_len:]
+    return draft, origins, first_key_len
+
+
 @dataclass
 class FafoStep:
     """Everything about one engine step, from ``begin_step`` to ``propose``.
@@ -566,25 +591,8 @@ class FafoProposer:
         state.next_anchor = stop_anchor
 
     def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> tuple[list[int], list[Origin], int]:
-        """Chain candidates until ``num_speculative_tokens`` tokens or no key matches: the
-        request's pool first (then its tenant's shared pool, under each key), then
-        the frozen table (Cacheback Sec. 3.3). Returns the
-        draft, each token's origin, and the length of the key the first candidate was
-        found under (the controller cuts the draft by it)."""
+        """The request's draft from its pools (:func:`chain_draft`), at most
+        ``num_speculative_tokens`` and never past ``max_model_len``."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
-        draft: list[int] = []
-        origins: list[Origin] = []
-        first_key_len = 0
-        while len(draft) < room:
-            found: Match | None = match_pools(state.pools, context)
-            if found is None and self.frozen is not None:
-                found = self.frozen.match(context)
-            if found is None:
-                break
-            first_key_len = first_key_len or found.key_len
-            piece = list(found.candidate[: room - len(draft)])
-            draft += piece
-            origins += [found.origin] * len(piece)
-            context = (context + piece)[-self.config.max_key_len :]
-        return draft, origins, first_key_len
+        return chain_draft(state.pools, self.frozen, context, room)

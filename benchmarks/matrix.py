@@ -219,9 +219,12 @@ def run_method_cells(args: argparse.Namespace) -> None:
             "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),
             # Per request, the forwards that gave it tokens (vLLM's own count, tokens over
-            # tokens - accepted, also counts drafts accepted past max_tokens or EOS).
+            # tokens - accepted, also counts drafts accepted past max_tokens or EOS, and is
+            # undefined (None) when those make the accepted drafts outnumber the tokens kept).
             "request_forwards": forwards,
-            "tau": tokens / forwards, "tau_vllm": tokens / (tokens - accepted), "seconds": seconds,
+            "tau": tokens / forwards,
+            "tau_vllm": tokens / (tokens - accepted) if accepted < tokens else None,
+            "seconds": seconds,
             # Engine steps, counted by vLLM (not tokens - accepted: vLLM also counts accepted
             # drafts that ran past max_tokens). At batch 1 each is one request's forward.
             "engine_steps": forward_steps,

@@ -34,7 +34,7 @@ def test_guide_example_registers_parses_and_selects(monkeypatch):
     monkeypatch.setitem(compression.POLICIES, "prompt_head", module.PromptHeadPolicy)
     config = FafoConfig.from_user_dict(
         {"method": "fafo", "compression": "prompt_head", "kv_budget": 24, "sink_tokens": 2,
-         "prompt_head_recent_tokens": 8}
+         "prompt_head_recent_tokens": 8, "num_speculative_tokens": 4}
     )
     policy = config.make_policy()
     layout = policy.layout

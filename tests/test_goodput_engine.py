@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_fafo.config import FafoConfig
 from vllm_fafo.metrics import collect_metrics
 
 from .engine_utils import assert_concurrent_identical, assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
@@ -27,7 +28,9 @@ def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(goodpu
     goodput_llm.generate(mtbench[:2], greedy(32), use_tqdm=False)
     controller = collect_metrics(goodput_llm)["controller"]
     assert controller["controller"] == "goodput"
-    assert 0 <= controller["lanes"] <= 16 and 0 <= controller["draft_len"] <= 4
+    defaults = FafoConfig()
+    assert 0 <= controller["lanes"] <= defaults.num_lanes
+    assert 0 <= controller["draft_len"] <= defaults.num_speculative_tokens
     assert len(controller["cost_curve_tokens"]) >= 2  # prefill and decode sizes at least
     assert all(ms > 0 for ms in controller["cost_curve_ms"])
 
@@ -60,7 +63,8 @@ def test_fixed_controller_runs_the_configured_lanes_every_decode_step(lanes_llm,
     before = collect_metrics(lanes_llm)
     lanes_llm.generate(mtbench[:1], greedy(24), use_tqdm=False)
     after = collect_metrics(lanes_llm)
-    assert after["controller"] == {"controller": "fixed", "lanes": 8, "draft_len": 4}
+    assert after["controller"] == {"controller": "fixed", "lanes": 8,
+                                   "draft_len": FafoConfig().num_speculative_tokens}
     tail = after["tail_tokens"] - before["tail_tokens"]
     steps = after["propose_calls"] - before["propose_calls"]
     # One prefill step without a tail, then 8 lanes x 4 tokens on every decode step.

@@ -69,7 +69,7 @@ def test_first_draft_matches_reference_and_rows_keep_their_own_pools():
 
 
 def test_prefill_chunk_rows_get_no_draft():
-    proposer = make_proposer()
+    proposer = make_proposer(num_speculative_tokens=4)
     batch = FakeBatch()
     batch.add("a", [1, 2, 1, 2, 1])
     batch.add("b", [3] * 8)

@@ -81,7 +81,8 @@ def test_a_later_request_drafts_from_an_earlier_one_of_its_tenant_only():
 
 def test_shared_pool_memory_stops_growing_over_ten_thousand_requests():
     max_keys = 2000
-    proposer = make_proposer(shared_pool_keys=max_keys)
+    # Short requests (8 tokens) file n-grams only with short candidates.
+    proposer = make_proposer(shared_pool_keys=max_keys, num_speculative_tokens=4)
     sizes = []
     for i in range(10_000):
         prompt = [(i * 7 + j * 13) % 5003 for j in range(6)]

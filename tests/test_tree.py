@@ -156,9 +156,10 @@ def test_cacheback_passes_its_tree_keys_on():
 
 
 def test_tree_keys_are_validated():
-    assert FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0, "num_candidates": 4}).tree_tokens == 16
-    assert FafoConfig.from_user_dict({"method": "fafo", "num_candidates": 2, "max_tree_tokens": 6}).tree_tokens == 6
+    k4 = {"method": "fafo", "num_speculative_tokens": 4}
+    assert FafoConfig.from_user_dict({**k4, "num_lanes": 0, "num_candidates": 4}).tree_tokens == 16
+    assert FafoConfig.from_user_dict({**k4, "num_candidates": 2, "max_tree_tokens": 6}).tree_tokens == 6
     with pytest.raises(FafoConfigError, match="max_tree_tokens"):
-        FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0, "num_candidates": 2, "max_tree_tokens": 2})
+        FafoConfig.from_user_dict({**k4, "num_lanes": 0, "num_candidates": 2, "max_tree_tokens": 2})
     with pytest.raises(FafoConfigError, match="num_candidates"):
         FafoConfig.from_user_dict({"method": "fafo", "num_lanes": 0, "num_candidates": 0})

@@ -3,8 +3,8 @@
 A matrix run keeps every cell's tokens; its ``none`` cell is what plain vLLM
 decoded. Under greedy decoding a draft is accepted up to its first token that
 differs from that text, so replaying the text through the proposer's own
-pool code (``file_ngrams``, ``chain_draft``, the shared pool) gives the tau of
-any pool setting in seconds, without an engine: how long drafts could be,
+pool code (``file_new_ngrams``, ``chain_draft``, the shared pool) gives the tau
+of any pool setting in seconds, without an engine: how long drafts could be,
 which key length, how many candidates per key, sharing on or off. Drafts are
 not cut: this is the tau the goodput controller starts from (it cuts drafts
 whose tokens do not pay on the machine), and the draft tokens per step say
@@ -14,8 +14,14 @@ what the verification would cost.
         --dataset mtbench --setting 'k4={"num_speculative_tokens":4}' \\
         --setting 'k16={"num_speculative_tokens":16}'
 
+``--cost-ms 46,12,2.5`` also runs the goodput controller as at batch 1 on a
+machine whose forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further
+draft token (what it learned on a 2-core CPU with SmolLM2, README "Draft
+length"): its cuts, the tau they leave and the simulated tokens per second.
+
 Requests are replayed one after another, as the matrix's batch-1 cells send
-them (the shared pool learns from the earlier ones).
+them (the shared pool learns from the earlier ones). Lanes and the frozen
+table are not replayed.
 """
 
 from __future__ import annotations
@@ -24,45 +30,64 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.pool import NgramPool
-from vllm_fafo.proposer import chain_draft, file_ngrams
-from vllm_fafo.shared_pool import TenantPools
+from vllm_fafo.goodput import GoodputController, StepOutcome
+from vllm_fafo.proposer import (
+    chain_draft,
+    file_new_ngrams,
+    first_anchor,
+    request_pool,
+    shared_pools,
+)
 
 
-def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
+           cost_ms: tuple[float, float, float] | None = None) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
-    (prompt ids, plain vLLM's output ids) pairs."""
-    shared = TenantPools(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
-                         max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants,
-                         touch_on_lookup=config.touch_on_lookup) if config.share_pool else None
+    (prompt ids, plain vLLM's output ids) pairs.
+
+    With ``cost_ms`` = (step, first draft token, each further draft token) the
+    goodput controller cuts the drafts as in the engine at batch 1, learning from
+    a forward that costs that much, and the simulated tokens per second are
+    reported too; without it drafts are kept whole."""
+    shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
+    controller = None if cost_ms is None else GoodputController(config.lane_len, k, max_key_len)
     forwards = tokens = drafted = 0
+    seconds = 0.0
     for prompt, output in requests:
-        own = NgramPool(max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
-                        max_keys=config.max_keys, touch_on_lookup=config.touch_on_lookup)
-        pools = (own,) if shared is None else (own, shared.pool_for(None))
-        history, next_anchor = [*prompt, output[0]], 0
+        pools = (request_pool(config), *(() if shared is None else (shared.pool_for(None),)))
+        history = np.array([*prompt, *output])
+        next_anchor = first_anchor(config, len(prompt))
         done, forwards = 1, forwards + 1  # the prefill's forward gives the first token
         while done < len(output):
-            stop_anchor = len(history) - config.ngram_len
-            if stop_anchor > next_anchor:
-                offset = max(0, next_anchor + 1 - max_key_len)
-                file_ngrams(pools, history[offset:], offset, range(next_anchor, stop_anchor),
-                            config.ngram_len, len(prompt))
-                next_anchor = stop_anchor
-            draft, _, _ = chain_draft(pools, None, history[-max_key_len:], k)
+            num_tokens = len(prompt) + done
+            next_anchor = file_new_ngrams(config, pools, history, next_anchor, num_tokens, len(prompt))
+            draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
+            if controller is not None:
+                draft = draft[: int(controller.choose_draft_lens(1, np.array([key_len]), np.array([len(draft)]))[0])]
             accepted = 0
             while (accepted < len(draft) and done + accepted < len(output)
                    and draft[accepted] == output[done + accepted]):
                 accepted += 1
-            step = min(accepted + 1, len(output) - done)
-            history += output[done : done + step]
-            done += step
+            done += min(accepted + 1, len(output) - done)
             forwards += 1
             drafted += len(draft)
+            if cost_ms is not None:
+                step_s = (cost_ms[0] + (cost_ms[1] + cost_ms[2] * (len(draft) - 1) if draft else 0.0)) / 1000
+                seconds += step_s
+                controller.observe(StepOutcome(
+                    tokens=1 + len(draft), seconds=step_s, lane_tokens=0, lane_accepted=0, text_accepted=accepted,
+                    draft_lengths=np.array([len(draft)]), accepted_lengths=np.array([accepted]),
+                    key_lens=np.array([key_len if draft else 0]),
+                ))
         tokens += len(output)
-    return {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
+    result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
+    if cost_ms is not None:
+        result["tokens_per_s"] = tokens / seconds  # the prefills' forwards are not priced
+    return result
 
 
 def load_requests(cells: Path, dataset: str) -> list[tuple[list[int], list[int]]]:
@@ -85,16 +110,23 @@ def main() -> None:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--setting", action="append", required=True,
                         help='LABEL=JSON of fafo keys, e.g. k16={"num_speculative_tokens":16} (repeatable)')
+    parser.add_argument("--cost-ms", default=None,
+                        help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
+    cost_ms = None if args.cost_ms is None else tuple(float(v) for v in args.cost_ms.split(","))
+    if cost_ms is not None and len(cost_ms) != 3:
+        parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
     requests = load_requests(Path(args.cells), args.dataset)
     print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output")
-    print("| setting | tau (drafts uncut) | draft tokens per forward |")
-    print("|---|---|---|")
+    cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
+    print(f"| setting | tau (drafts {cut}) | draft tokens per forward |" + (" simulated tokens/s |" if cost_ms else ""))
+    print("|---|---|---|" + ("---|" if cost_ms else ""))
     for entry in args.setting:
         label, _, raw = entry.partition("=")
         config = FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})
-        result = replay(config, requests)
-        print(f"| {label} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |")
+        result = replay(config, requests, cost_ms)
+        print(f"| {label} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
+              + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
 
 
 if __name__ == "__main__":

@@ -151,3 +151,9 @@ def test_pool_replay_drafts_what_the_text_repeats():
     # The shared pool lets a later request draft an earlier one's answer; without it, not.
     first, again = replay(config(), [fresh, fresh]), replay(config(share_pool=False), [fresh, fresh])
     assert first["tau"] > again["tau"] == 1.0
+    # With a step cost the goodput controller cuts the drafts (costly ones are dropped once
+    # it has seen what they cost), and every forward after the prefill is priced.
+    free = replay(config(num_speculative_tokens=16), [copying], cost_ms=(10.0, 0.0, 0.0))
+    assert free["tokens_per_s"] == pytest.approx(32 / ((32 / free["tau"] - 1) * 0.010))
+    costly = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0))
+    assert costly["tau"] < replay(config(num_speculative_tokens=16), [copying] * 3)["tau"]

@@ -111,20 +111,39 @@ def test_cost_model_follows_a_change_in_a_few_steps():
     assert model.predict(16) == pytest.approx(0.030, rel=0.05)
 
 
-def test_reach_probability_is_per_position_and_optimistic_where_untried():
+def test_reach_probability_chains_continuation_rates_and_is_optimistic_where_untried():
     estimates = YieldEstimates(max_draft=4, max_key_len=4, decay=1.0)
     estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=5,
                                   draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2]),
                                   key_lens=np.array([1, 1, 3, 3])))
+    # Position 1: 4 drafts reached it, 3 accepted; position 2: 3 reached it, 2 accepted; nothing further.
     first = (3 + 0.25) / (4 + 0.25)  # a quarter pseudo-trial at the rate before (1 for the first)
-    second = (2 + 0.25 * first) / (4 + 0.25)
-    overall = np.array([first, second, second, second])
-    np.testing.assert_allclose(estimates.reach_probability(), overall)
+    second = (2 + 0.25 * first) / (3 + 0.25)
+    np.testing.assert_allclose(estimates.reach_probability(), np.cumprod([first, second, second, second]))
     assert estimates.tokens_per_request() == pytest.approx(1 + 5 / 4)
-    # By key length: one pseudo-trial at the overall rate; an unseen key length gets the overall rate.
-    short = np.minimum.accumulate((np.array([1, 0, 0, 0]) + overall) / (np.array([2, 2, 0, 0]) + 1))
-    long = np.minimum.accumulate((np.array([2, 2, 0, 0]) + overall) / (np.array([2, 2, 0, 0]) + 1))
-    np.testing.assert_allclose(estimates.reach_probability(np.array([1, 3, 2])), [short, long, overall])
+    # By key length: one pseudo-trial at the key's rate before (the overall first rate at the first).
+    short_1 = (1 + first) / (2 + 1)  # key 1: 2 reached position 1, 1 accepted; 1 reached position 2, none
+    short_2 = (0 + short_1) / (1 + 1)
+    long_1 = (2 + first) / (2 + 1)  # key 3: both accepted twice
+    long_2 = (2 + long_1) / (2 + 1)
+    np.testing.assert_allclose(estimates.reach_probability(np.array([1, 3, 2])), [
+        np.cumprod([short_1, short_2, short_2, short_2]),
+        np.cumprod([long_1, long_2, long_2, long_2]),
+        np.cumprod([first] * 4),  # an unseen key length
+    ])
+
+
+def test_a_position_that_failed_once_is_judged_by_the_drafts_that_reach_it_later():
+    """One draft broke at position 3; afterwards drafts of 2 are always accepted. The
+    position's failure fades and it is judged like position 2 again (estimating
+    P(reach 3 | drafted 3) directly would keep it at 0: its trials and hits decay alike)."""
+    estimates = YieldEstimates(max_draft=4, max_key_len=1, decay=0.95)
+    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=2, key_lens=np.array([1]))
+    estimates.observe(StepOutcome(draft_lengths=np.array([4]), accepted_lengths=np.array([2]), **outcome))
+    for _ in range(100):
+        estimates.observe(StepOutcome(draft_lengths=np.array([2]), accepted_lengths=np.array([2]), **outcome))
+    reach = estimates.reach_probability(np.array([1]))[0]
+    assert reach[2] > 0.95 * reach[1] > 0.9
 
 
 def test_linear_cost_turns_lanes_off():

@@ -123,7 +123,16 @@ class StepOutcome:
 
 @dataclass
 class YieldEstimates:
-    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps)."""
+    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps).
+
+    Drafts are estimated as chains: per matched key length and position k, how
+    often a draft that reached position k (drafted that far, the positions
+    before it accepted) had it accepted. A position not tried lately is judged
+    like the position before it, so drafts that run true are tried further and
+    drafts that break early are not. (Estimating P(reach k | drafted k)
+    directly, as before, trapped the controller: a position that did badly
+    once kept its low rate however long it went untried, since decaying trials
+    and hits alike keeps their ratio, and was never drafted again.)"""
 
     max_draft: int
     max_key_len: int
@@ -133,7 +142,9 @@ class YieldEstimates:
     decode_rows: float = 0.0
     text_accepted: float = 0.0
     position_trials: np.ndarray = field(init=False)
+    """Decayed drafts that reached each position, by matched key length."""
     position_hits: np.ndarray = field(init=False)
+    """Decayed drafts whose token at each position was accepted, by matched key length."""
 
     def __post_init__(self) -> None:
         shape = (self.max_key_len + 1, self.max_draft)  # by matched key length, then position
@@ -148,10 +159,12 @@ class YieldEstimates:
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
         positions = np.arange(1, self.max_draft + 1)
         key_lens = np.minimum(np.asarray(outcome.key_lens, dtype=np.int64), self.max_key_len)
+        drafted = np.asarray(outcome.draft_lengths)[:, None]
+        accepted = np.asarray(outcome.accepted_lengths)[:, None]
         self.position_trials *= d
         self.position_hits *= d
-        np.add.at(self.position_trials, key_lens, np.asarray(outcome.draft_lengths)[:, None] >= positions)
-        np.add.at(self.position_hits, key_lens, np.asarray(outcome.accepted_lengths)[:, None] >= positions)
+        np.add.at(self.position_trials, key_lens, (drafted >= positions) & (accepted >= positions - 1))
+        np.add.at(self.position_hits, key_lens, accepted >= positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run (0 before any lane ran)."""
@@ -162,27 +175,33 @@ class YieldEstimates:
         return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
 
     def reach_probability(self, key_lens: np.ndarray | None = None) -> np.ndarray:
-        """P(positions 1..k all accepted | position k drafted), k = 1..max_draft, non-increasing:
-        over all drafts, or (one row each) for drafts found under keys of ``key_lens`` tokens.
+        """P(positions 1..k all accepted), k = 1..max_draft, non-increasing: over all
+        drafts, or (one row each) for drafts found under keys of ``key_lens`` tokens.
 
-        Over all drafts, each position's rate is smoothed with a quarter of a
-        pseudo-trial at the rate of the position before it (1 for the first), so a
-        position seldom drafted is judged like its neighbour until its own evidence
-        outweighs that, and one left undrafted long enough (its decayed trials gone)
-        is tried again. A key length's rate is smoothed with one pseudo-trial at
-        the rate over all drafts: a key length seldom seen is judged like the rest."""
-        rate = np.ones(self.max_draft)
-        prior, weight = 1.0, 0.25
-        trials, hits = self.position_trials.sum(axis=0), self.position_hits.sum(axis=0)
-        for k in range(self.max_draft):  # max_draft is small (<= 64)
-            rate[k] = (hits[k] + weight * prior) / (trials[k] + weight)
-            prior = rate[k]
-        overall = np.minimum.accumulate(rate)
+        The product of the positions' continuation rates. Each rate is smoothed
+        towards the rate of the position before it, over all drafts with a
+        quarter of a pseudo-trial (1 before the first position), per key length
+        with one pseudo-trial (the rate over all drafts before the first), so a
+        position seldom reached is judged like its neighbour until its own
+        evidence outweighs that."""
+        overall = _continuation(self.position_trials.sum(axis=0), self.position_hits.sum(axis=0),
+                                np.ones(1), weight=0.25)[0]
         if key_lens is None:
-            return overall
-        by_key = (self.position_hits + overall) / (self.position_trials + 1.0)
-        by_key = np.minimum.accumulate(by_key, axis=1)
-        return by_key[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
+            return np.cumprod(overall)
+        by_key = _continuation(self.position_trials, self.position_hits, np.full(self.max_key_len + 1, overall[0]),
+                               weight=1.0)
+        return np.cumprod(by_key, axis=1)[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
+
+
+def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weight: float) -> np.ndarray:
+    """Per row, (hits + weight x prior) / (trials + weight) at each position, the prior
+    being the row's rate at the position before (``first_prior`` at the first)."""
+    trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
+    rate = np.empty_like(trials)
+    prior = first_prior
+    for k in range(trials.shape[1]):  # max_draft is small (<= 64)
+        prior = rate[:, k] = (hits[:, k] + weight * prior) / (trials[:, k] + weight)
+    return rate
 
 
 @dataclass

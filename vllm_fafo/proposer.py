@@ -85,6 +85,27 @@ class RequestState:
     """The draft tree's branches off the last draft, verified next step."""
 
 
+def request_pool(config: FafoConfig) -> NgramPool:
+    """A new request's own pool."""
+    return NgramPool(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
+                     max_keys=config.max_keys, touch_on_lookup=config.touch_on_lookup)
+
+
+def shared_pools(config: FafoConfig) -> TenantPools | None:
+    """The pools shared across requests, one per tenant (None: sharing off)."""
+    if not config.share_pool:
+        return None
+    return TenantPools(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
+                       max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants,
+                       touch_on_lookup=config.touch_on_lookup)
+
+
+def first_anchor(config: FafoConfig, prompt_len: int) -> int:
+    """The first history position whose following n-gram a new request files: the
+    prompt's start, or (prompt not seeded) the last n-gram that reaches the output."""
+    return 0 if config.seed_from_prompt else max(0, prompt_len - config.ngram_len)
+
+
 def file_ngrams(
     pools: Sequence[NgramPool],
     history: Sequence[int],
@@ -107,6 +128,24 @@ def file_ngrams(
         origin = Origin.PROMPT if anchor + ngram_len < prompt_len else Origin.OUTPUT
         for pool in pools:
             pool.add(context, candidate, origin)
+
+
+def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.ndarray | Sequence[int],
+                    next_anchor: int, num_tokens: int, prompt_len: int) -> int:
+    """File the n-grams that ``history[:num_tokens]`` completed since ``next_anchor``
+    (from a short window of it, never a scan of the whole text); returns the next
+    anchor to file from."""
+    ngram_len = config.ngram_len
+    stop_anchor = num_tokens - ngram_len  # anchors whose n-gram is complete
+    if not config.seed_from_output:
+        stop_anchor = min(stop_anchor, prompt_len - ngram_len)
+    if stop_anchor <= next_anchor:
+        return next_anchor
+    offset = max(0, next_anchor + 1 - config.max_key_len)
+    window = history[offset:num_tokens]
+    file_ngrams(pools, window.tolist() if isinstance(window, np.ndarray) else window, offset,
+                range(next_anchor, stop_anchor), ngram_len, prompt_len)
+    return stop_anchor
 
 
 def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: list[int],
@@ -204,16 +243,7 @@ class FafoProposer:
         self._requests: dict[str, RequestState] = {}
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
-        self.shared: TenantPools | None = None
-        if self.config.share_pool:
-            self.shared = TenantPools(
-                self.config.max_key_len,
-                self.config.pool_capacity,
-                min_key_len=self.config.min_key_len,
-                max_keys=self.config.shared_pool_keys,
-                max_tenants=self.config.shared_pool_tenants,
-                touch_on_lookup=self.config.touch_on_lookup,
-            )
+        self.shared = shared_pools(self.config)
         self.step: FafoStep | None = None
         self._model = None
         self.tree_enabled = self.config.num_candidates > 1
@@ -444,7 +474,8 @@ class FafoProposer:
             drafted[row], accepted[row] = verified, len(accepted_origins)
             key_lens[row] = state.last_key_len
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
-            self._file_new_ngrams(state, history, num_tokens)
+            state.next_anchor = file_new_ngrams(self.config, state.pools, history, state.next_anchor, num_tokens,
+                                                state.prompt_len)
             found.append((state, *self._draft(state, history, num_tokens)))
             contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
         if self.shared is not None:
@@ -545,15 +576,6 @@ class FafoProposer:
         if state is None:
             if self.lanes is not None:
                 self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
-            ngram_len = self.config.ngram_len
-            first_anchor = 0 if self.config.seed_from_prompt else max(0, prompt_len - ngram_len)
-            pool = NgramPool(
-                self.config.max_key_len,
-                self.config.pool_capacity,
-                min_key_len=self.config.min_key_len,
-                max_keys=self.config.max_keys,
-                touch_on_lookup=self.config.touch_on_lookup,
-            )
             try:
                 tenant = self._tenants.pop(req_id)
             except KeyError:
@@ -563,32 +585,13 @@ class FafoProposer:
                 ) from None
             shared = () if self.shared is None else (self.shared.pool_for(tenant),)
             state = RequestState(
-                pools=(pool, *shared),
+                pools=(request_pool(self.config), *shared),
                 prompt_len=prompt_len,
-                next_anchor=first_anchor,
+                next_anchor=first_anchor(self.config, prompt_len),
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1
         return state
-
-    def _file_new_ngrams(self, state: RequestState, history: np.ndarray, num_tokens: int) -> None:
-        ngram_len = self.config.ngram_len
-        stop_anchor = num_tokens - ngram_len  # anchors whose n-gram is complete
-        if not self.config.seed_from_output:
-            stop_anchor = min(stop_anchor, state.prompt_len - ngram_len)
-        if stop_anchor <= state.next_anchor:
-            return
-        offset = max(0, state.next_anchor + 1 - self.config.max_key_len)
-        window = history[offset:num_tokens].tolist()
-        file_ngrams(
-            state.pools,
-            window,
-            offset,
-            range(state.next_anchor, stop_anchor),
-            ngram_len,
-            state.prompt_len,
-        )
-        state.next_anchor = stop_anchor
 
     def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> tuple[list[int], list[Origin], int]:
         """The request's draft from its pools (:func:`chain_draft`), at most

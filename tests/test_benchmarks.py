@@ -96,6 +96,7 @@ def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
         assert row["ms_per_step"] > 0
     plain = next(r for r in rows if r["method"] == "none")
     assert plain["engine_steps"] == plain["tokens"]  # one token per step, the prefill's included
+    assert plain["draft_tokens_per_step"] == 0.0
     fafo = next(r for r in rows if r["method"] == "fafo")
     assert fafo["tail_tokens_per_step"] > 0
 

@@ -11,8 +11,8 @@ drafts when nothing pays. Everything is learned from the engine's own steps:
 - :class:`StepCostModel`: seconds per step against tokens in the forward,
   one decayed mean per point of a geometric grid of token counts, read as a
   monotone piecewise-linear curve (no hardware table).
-- :class:`YieldEstimates`: decayed acceptance per draft position and matched
-  key length, accepted tokens per decoding request from text n-grams, and
+- :class:`YieldEstimates`: decayed continuation rates per draft position and
+  matched key length, accepted tokens per decoding request from text n-grams, and
   accepted lane-n-gram tokens per lane token run.
 
 Draft lengths are chosen per request from the candidate's support (suffix

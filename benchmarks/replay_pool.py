@@ -58,7 +58,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     forwards = tokens = drafted = 0
     seconds = 0.0
     for prompt, output in requests:
-        pools = (request_pool(config), *(() if shared is None else (shared.pool_for(None),)))
+        pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
         history = np.array([*prompt, *output])  # read only up to the tokens decoded so far
         next_anchor = first_anchor(config, len(prompt))
         done, forwards = 1, forwards + 1  # the prefill's forward gives the first token

@@ -130,8 +130,8 @@ def file_ngrams(
             pool.add(context, candidate, origin)
 
 
-def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.ndarray | Sequence[int],
-                    next_anchor: int, num_tokens: int, prompt_len: int) -> int:
+def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.ndarray, next_anchor: int,
+                    num_tokens: int, prompt_len: int) -> int:
     """File the n-grams that ``history[:num_tokens]`` completed since ``next_anchor``
     (from a short window of it, never a scan of the whole text); returns the next
     anchor to file from."""
@@ -142,9 +142,8 @@ def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.
     if stop_anchor <= next_anchor:
         return next_anchor
     offset = max(0, next_anchor + 1 - config.max_key_len)
-    window = history[offset:num_tokens]
-    file_ngrams(pools, window.tolist() if isinstance(window, np.ndarray) else window, offset,
-                range(next_anchor, stop_anchor), ngram_len, prompt_len)
+    file_ngrams(pools, history[offset:num_tokens].tolist(), offset, range(next_anchor, stop_anchor), ngram_len,
+                prompt_len)
     return stop_anchor
 
 

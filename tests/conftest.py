@@ -45,12 +45,17 @@ def mtbench(plain_llm):
     return chat_prompts(plain_llm, load_prompts("mtbench", 20))
 
 
+BATCH1_PROMPTS = 10
+"""MT-Bench prompts the batch-1 identity tests decode, 128 tokens each (the suite's
+largest cost: each prompt is decoded alone by plain vLLM and by every engine)."""
+
+
 @pytest.fixture(scope="session")
 def plain_batch1_tokens(plain_llm, mtbench):
     """Plain vLLM's greedy tokens, batch 1, 128 tokens per MT-Bench prompt."""
     from .engine_utils import generate_one_by_one, greedy, token_ids
 
-    return token_ids(generate_one_by_one(plain_llm, mtbench, greedy(128)))
+    return token_ids(generate_one_by_one(plain_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
 
 
 LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,

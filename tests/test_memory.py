@@ -108,9 +108,14 @@ def recording(worker):
     seen["lane_bytes_when_sized"] = sum(b for b, *_ in layer_lane_bytes(worker))
     return size_kv_cache(worker)
 CPUWorker.determine_available_memory = recording
+from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+# vLLM's CPU worker refuses to start unless utilization x its node's memory is free;
+# ask for at most 90 % of what is free, so the probe does not depend on what else runs.
+node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+utilization = min(0.3, 0.9 * node.available_memory / node.total_memory)
 spec = json.loads(sys.argv[1])
 llm = LLM(model=sys.argv[2], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
-          gpu_memory_utilization=0.3, enable_prefix_caching=False, speculative_config=spec)
+          gpu_memory_utilization=utilization, enable_prefix_caching=False, speculative_config=spec)
 (layers,) = llm.collective_rpc(layer_lane_bytes)
 (kv_config,) = llm.collective_rpc(lambda worker: worker.model_runner.kv_cache_config)
 seen["kv_cache_bytes"] = sum(t.size for t in kv_config.kv_cache_tensors)

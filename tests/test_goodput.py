@@ -169,6 +169,23 @@ def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_bat
     assert typical_busy < typical_alone  # 8 requests: the batch alone is near the knee
 
 
+def lane_step(lane_tokens: int, lane_accepted: int) -> StepOutcome:
+    """A step of one request that ran lanes and drafted nothing."""
+    none = np.zeros(1, dtype=np.int64)
+    return StepOutcome(tokens=1 + lane_tokens, seconds=0.02, lane_tokens=lane_tokens, lane_accepted=lane_accepted,
+                       text_accepted=0, draft_lengths=none, accepted_lengths=none, key_lens=none)
+
+
+def test_one_lucky_probe_does_not_make_lanes_look_paying_but_steady_evidence_does():
+    estimates = YieldEstimates(MAX_DRAFT, MAX_KEY_LEN)
+    assert estimates.lane_yield() == 0.0
+    estimates.observe(lane_step(12, 3))  # a probe whose lane n-gram was accepted: 0.25 per lane token
+    assert estimates.lane_yield() < 0.03  # shrunk by lane_prior_tokens that earned nothing
+    for _ in range(300):  # lanes that run and earn 0.05 per lane token
+        estimates.observe(lane_step(96, 5) if _ % 2 else lane_step(96, 4))
+    assert 0.045 < estimates.lane_yield() < 0.047  # 0.046 of a true 0.047: the prior weighs 2 % against ~50 steps of lanes
+
+
 def test_lanes_go_off_within_bounded_steps_when_they_stop_paying_and_come_back():
     cost = flat_then_rising(10.0, knee=128, per_token_ms=0.5)
     paying = Machine(cost, lane_yield=0.05, accept=0.5)

@@ -137,6 +137,8 @@ class YieldEstimates:
     max_draft: int
     max_key_len: int
     decay: float = 0.98
+    lane_prior_tokens: float = 96.0
+    """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
     lane_tokens: float = 0.0
     lane_accepted: float = 0.0
     decode_rows: float = 0.0
@@ -167,8 +169,13 @@ class YieldEstimates:
         np.add.at(self.position_hits, key_lens, accepted >= positions)
 
     def lane_yield(self) -> float:
-        """Accepted lane-n-gram tokens per lane token run (0 before any lane ran)."""
-        return self.lane_accepted / self.lane_tokens if self.lane_tokens > 1e-6 else 0.0
+        """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
+        ``lane_prior_tokens`` pseudo-tokens that earned nothing (0 before any lane ran).
+
+        Lanes mostly run in short probes: a ratio of a few dozen lane tokens is
+        noise, and with lanes off it is kept (trials and hits decay alike), so one
+        lucky probe would turn lanes on over and over where they do not pay."""
+        return self.lane_accepted / (self.lane_tokens + self.lane_prior_tokens)
 
     def tokens_per_request(self) -> float:
         """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""

@@ -21,6 +21,7 @@ def apply_all() -> None:
         engine_args,
         gpu_model_runner,
         new_request_data,
+        rejection_sampler,
     )
 
     engine_args.apply()
@@ -28,3 +29,4 @@ def apply_all() -> None:
     attention_backend.apply()
     cpu_sampling.apply()
     new_request_data.apply()
+    rejection_sampler.apply()

@@ -153,6 +153,22 @@ def test_linear_cost_turns_lanes_off():
     assert np.mean(np.array(lanes[100:]) > 0) < 0.05  # only the (backed-off) probes
 
 
+def test_lane_probes_that_could_not_pay_wait_for_the_longest_interval():
+    # Every lane token costs 2 ms of a ~20 ms step and earns nothing: after the first
+    # probe (lanes not run yet: judged optimistically) the next waits 1024 steps.
+    machine = Machine(linear(10.0, 2.0), lane_yield=0.0, accept=0.5)
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+    burst, longest = controller._lane_probe.burst, controller._lane_probe.max_interval
+    _, lanes = simulate(machine, controller, 1200)
+    on = np.flatnonzero(np.array(lanes) > 0)
+    assert len(on) == 2 * burst  # the first probe and one after the longest interval
+    assert on[burst] - on[burst - 1] > longest
+    # Where lanes are nearly free (GPU-like), a probe that earned nothing is still repeated.
+    gpu = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+    _, lanes = simulate(Machine(flat_then_rising(10.0, 256, 0.5), lane_yield=0.0, accept=0.5), gpu, 600)
+    assert np.count_nonzero(np.array(lanes) > 0) >= 4 * burst
+
+
 def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_batch_grows():
     # A GPU-like step: 10 ms up to 64 tokens, then 0.5 ms per token.
     cost = flat_then_rising(10.0, knee=64, per_token_ms=0.5)

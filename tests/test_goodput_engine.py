@@ -24,8 +24,9 @@ def goodput_llm(model_dir):
     return make_llm(model_dir, {"method": "fafo"})
 
 
-def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(goodput_llm, mtbench):
-    goodput_llm.generate(mtbench[:2], greedy(32), use_tqdm=False)
+def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(plain_llm, goodput_llm, mtbench):
+    expected = token_ids(plain_llm.generate(mtbench[:2], greedy(32), use_tqdm=False))
+    assert_same_tokens(expected, token_ids(goodput_llm.generate(mtbench[:2], greedy(32), use_tqdm=False)))
     controller = collect_metrics(goodput_llm)["controller"]
     assert controller["controller"] == "goodput"
     defaults = FafoConfig()
@@ -36,12 +37,14 @@ def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(goodpu
 
 
 def test_batch1_identical_to_plain_with_the_controller_on(plain_batch1_tokens, goodput_llm, mtbench):
-    before = collect_metrics(goodput_llm)
     got = token_ids(generate_one_by_one(goodput_llm, mtbench[:8], greedy(128)))
     assert_same_tokens(plain_batch1_tokens[:8], got)
-    # On this CPU lanes mostly do not pay: regions skipped upkeep while lanes were
-    # off and were read back from the paged cache when a probe ran them again.
-    assert collect_metrics(goodput_llm)["caught_up_positions"] > before["caught_up_positions"]
+    # Regions skip upkeep while lanes are off and are read back from the paged cache
+    # when lanes run again: the engine's first lane probe (lanes never ran, so judged
+    # optimistically; 16 decode steps in) did that, in this test or in the one before,
+    # both of which check the tokens. Later probes on this CPU wait 1024 steps: lanes
+    # could not pay at the yield that probe showed.
+    assert collect_metrics(goodput_llm)["caught_up_positions"] > 0
 
 
 def test_concurrent_requests_identical_to_plain_with_the_controller_on(plain_llm, goodput_llm, mtbench):

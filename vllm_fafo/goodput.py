@@ -30,7 +30,11 @@ drafts off the controller probes them (the most lanes it prices at no more
 than twice the plain step, for ``probe_burst`` steps; one draft token) after
 ``probe_interval`` steps, doubling the interval after each probe that did not pay (bounded by
 ``max_probe_interval``), so a change in cost or acceptance is followed within
-a bounded number of steps at a cost amortised to a few percent.
+a bounded number of steps at a cost amortised to a few percent. A lane probe
+runs only where its lanes could pay at the lane yield last measured (before
+any lane ran: always), or once lanes were off for ``max_probe_interval``
+steps: on a machine where lane tokens cost more than they ever earned, the
+probes' own cost stops there.
 
 ``"controller": "fixed"`` (:class:`FixedController`) keeps the configured
 sizes: the lanes the free token slots allow and ``num_speculative_tokens``.
@@ -177,6 +181,14 @@ class YieldEstimates:
         lucky probe would turn lanes on over and over where they do not pay."""
         return self.lane_accepted / (self.lane_tokens + self.lane_prior_tokens)
 
+    def lane_yield_seen(self) -> float:
+        """Accepted lane-n-gram tokens per lane token run, as measured, without the
+        prior (1.0 before lanes ran lately: unknown, so optimistic). What a probe is
+        judged by: whether lanes could pay at the yield they last showed."""
+        if self.lane_tokens <= 0.0:
+            return 1.0
+        return self.lane_accepted / self.lane_tokens
+
     def tokens_per_request(self) -> float:
         """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
         return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
@@ -283,10 +295,26 @@ class GoodputController:
         probe = best == 0 and self._lane_probe.due()
         if probe:  # the most lanes the cost model prices at no more than twice the plain step
             affordable = options[self.cost.predict(real_tokens + lane_tokens) <= 2 * self.cost.predict(real_tokens)]
-            best = int(max(affordable.max(), 1))
+            size = int(max(affordable.max(), 1))
+            probe = self._lane_probe.in_burst() or self._lane_probe.overdue() or any(
+                self._could_pay(tokens, base, size * self.lane_len * lane_requests)
+                for tokens in (real_tokens, decoding_requests))
+            best = size if probe else 0
         self._lane_probe.step(chosen=best > 0, probe=probe)
         self.last.lanes, self.last.probe = best, probe
         return best
+
+    def _could_pay(self, real_tokens: int, base: float, lane_tokens: int) -> bool:
+        """Whether ``lane_tokens`` would pay at the lane yield last measured (unshrunk)
+        behind ``real_tokens`` (asked with the step's tokens and with its decoding
+        requests alone, as if drafts made room: lanes can take their place).
+
+        A probe costs up to twice a plain step for ``probe_burst`` steps. Where the
+        cost curve says lanes could not pay even at the yield they showed (a CPU,
+        where every lane token costs), probing again only spends; such probes wait
+        for the longest interval (or for the curve or the yield to change)."""
+        with_lanes = (base + lane_tokens * self.yields.lane_yield_seen()) / self.cost.predict(real_tokens + lane_tokens)
+        return bool(with_lanes >= base / self.cost.predict(real_tokens))
 
     def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
         """Draft length per request for the next step (at most ``available``, the draft
@@ -354,6 +382,13 @@ class _Probe:
 
     def due(self) -> bool:
         return self.burst_left > 0 or self.steps_off >= self.interval
+
+    def in_burst(self) -> bool:
+        return self.burst_left > 0
+
+    def overdue(self) -> bool:
+        """Off for the longest interval: tried whatever the estimates say."""
+        return self.steps_off >= self.max_interval
 
     def step(self, chosen: bool, probe: bool) -> None:
         if probe:

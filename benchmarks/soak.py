@@ -197,13 +197,15 @@ def plugin_state(url: str) -> dict[str, float]:
     """The plugin's request and pool gauges and counters, summed over engines."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from vllm_fafo.metrics_export import PREFIX
+
     response = requests.get(url + "/metrics", timeout=30)
     response.raise_for_status()
     state = dict.fromkeys(PLUGIN_STATE, 0.0)
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            name = sample.name.removeprefix("vllm:fafo_")
-            if sample.name.startswith("vllm:fafo_") and name in state:
+            name = sample.name.removeprefix(PREFIX)
+            if sample.name.startswith(PREFIX) and name in state:
                 state[name] += sample.value
     return state
 

@@ -381,7 +381,7 @@ class _Probe:
         self.interval = self.base
 
     def due(self) -> bool:
-        return self.burst_left > 0 or self.steps_off >= self.interval
+        return self.in_burst() or self.steps_off >= self.interval
 
     def in_burst(self) -> bool:
         return self.burst_left > 0

@@ -82,6 +82,17 @@ def pool_only_llm(model_dir):
     return make_llm(model_dir, {"method": "fafo", "num_lanes": 0})
 
 
+SUFFIX_TREE_SPEC = {**LANES_SPEC, "text_source": "suffix_tree"}
+"""Text drafted from suffix trees, lanes pinned on: both draft sources run."""
+
+
+@pytest.fixture(scope="session")
+def suffix_tree_llm(model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, SUFFIX_TREE_SPEC)
+
+
 TREE_SPEC = {"method": "fafo", "num_lanes": 0, "num_candidates": 4}
 """Pool only, with up to three branches next to each spine."""
 

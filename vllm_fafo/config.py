@@ -18,6 +18,7 @@ from vllm_fafo.compression import POLICIES, CompressionPolicy
 from vllm_fafo.compression.base import settings_keys
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 from vllm_fafo.goodput import CONTROLLERS
+from vllm_fafo.suffix_tree import TEXT_SOURCES, require_suffix_trees
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
@@ -85,6 +86,13 @@ class FafoConfig:
     least recently used tenants are dropped while all of them hold more."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
+    text_source: str = "pool"
+    """Where drafts of the decoded text come from: ``pool`` (the n-gram pool) or
+    ``suffix_tree`` (Arctic Inference's suffix trees, vllm_fafo.suffix_tree; the
+    pool still drafts where the tree has nothing, and holds the lanes' n-grams)."""
+    suffix_tree_cached_requests: int = 10000
+    """Finished responses each tenant's suffix tree keeps for later requests (the
+    oldest is dropped; vLLM ``suffix``'s default); 0, or ``share_pool`` false: none."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -187,6 +195,14 @@ class FafoConfig:
         check_bool("seed_from_output", self.seed_from_output)
         check_int("text_ngram_len", self.text_ngram_len, 0, 64)
         check_bool("stagger_lanes", self.stagger_lanes)
+        if self.text_source not in TEXT_SOURCES:
+            raise FafoConfigError(
+                f"speculative_config['text_source']={self.text_source!r} is not a text source; "
+                f"allowed: {', '.join(repr(s) for s in TEXT_SOURCES)}"
+            )
+        check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
+        if self.text_source == "suffix_tree":
+            require_suffix_trees()
 
     def policy_settings(self) -> Any:
         """The chosen policy's Settings, built from ``compression_settings``."""
@@ -255,5 +271,6 @@ USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
+    "text_source", "suffix_tree_cached_requests",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -34,6 +34,7 @@ class Origin(str, Enum):
     LANE = "lane"
     FROZEN = "frozen"  # Cacheback's offline table
     SHARED = "shared"  # another request's text or lanes, via the shared pool
+    SUFFIX_TREE = "suffix_tree"  # the text's suffix trees (text_source "suffix_tree")
 
 
 Candidate = tuple[int, ...]

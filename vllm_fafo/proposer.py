@@ -50,6 +50,7 @@ from vllm_fafo.metrics_export import SnapshotPublisher
 from vllm_fafo.pool import Match, NgramPool, Origin, match_pools
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
+from vllm_fafo.suffix_tree import TREE_DEPTH, SuffixTrees
 from vllm_fafo.tp_sync import RankZeroStepTime
 from vllm_fafo.tree import (
     PLACEHOLDER,
@@ -234,8 +235,14 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
+        self.suffix_trees: SuffixTrees | None = None
+        if self.config.text_source == "suffix_tree":
+            self.suffix_trees = SuffixTrees(self.config.suffix_tree_cached_requests if self.config.share_pool else 0,
+                                            self.config.shared_pool_tenants)
+        # The controller reads a draft's evidence by the length of the context it matched.
+        longest_match = max(self.config.max_key_len, TREE_DEPTH if self.suffix_trees is not None else 0)
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
-                                          self.config.max_key_len)
+                                          longest_match)
         self._last_log = time.monotonic()
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()
@@ -404,6 +411,8 @@ class FafoProposer:
             self._tenants.pop(req_id, None)
             if self._requests.pop(req_id, None) is not None:
                 self.metrics.requests_freed += 1
+            if self.suffix_trees is not None:
+                self.suffix_trees.stop(req_id)
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 
@@ -428,6 +437,8 @@ class FafoProposer:
         other's answers."""
         if self.shared is not None:
             self.shared.clear()
+        if self.suffix_trees is not None:
+            self.suffix_trees.clear()
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -475,7 +486,7 @@ class FafoProposer:
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             state.next_anchor = file_new_ngrams(self.config, state.pools, history, state.next_anchor, num_tokens,
                                                 state.prompt_len)
-            found.append((state, *self._draft(state, history, num_tokens)))
+            found.append((state, *self._draft(req_ids[row], state, history, num_tokens)))
             contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
         if self.shared is not None:
             self.shared.trim()
@@ -590,11 +601,19 @@ class FafoProposer:
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1
+            if self.suffix_trees is not None:
+                self.suffix_trees.start(req_id, tenant, history[:prompt_len])
         return state
 
-    def _draft(self, state: RequestState, history: np.ndarray, num_tokens: int) -> tuple[list[int], list[Origin], int]:
-        """The request's draft from its pools (:func:`chain_draft`), at most
-        ``num_speculative_tokens`` and never past ``max_model_len``."""
+    def _draft(self, req_id: str, state: RequestState, history: np.ndarray,
+               num_tokens: int) -> tuple[list[int], list[Origin], int]:
+        """The request's draft, at most ``num_speculative_tokens`` and never past
+        ``max_model_len``: its suffix tree's (``text_source`` ``suffix_tree``) or else
+        its pools' (:func:`chain_draft`), with the length of the context it matched."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
+        if self.suffix_trees is not None:
+            draft, match_len = self.suffix_trees.draft(req_id, history, num_tokens, room)
+            if draft:
+                return draft, [Origin.SUFFIX_TREE] * len(draft), match_len
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
         return chain_draft(state.pools, self.frozen, context, room)

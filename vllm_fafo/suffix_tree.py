@@ -1,0 +1,134 @@
+"""Text candidates from suffix trees (Arctic Inference's ``SuffixDecodingCache``).
+
+``"text_source": "suffix_tree"`` drafts the decoded text's continuations from
+a suffix tree over the request's prompt and output and over the outputs of
+earlier requests of the same tenant (SuffixDecoding, the data structure of
+vLLM's ``suffix`` method), instead of from the n-gram pool. Why: at the same
+tau a suffix tree drafts far fewer tokens. It matches the text's suffix up to
+``TREE_DEPTH`` tokens deep (the pool's keys stop at ``max_key_len``), picks
+the continuation seen most often under the deepest match, and drafts at most
+as many tokens as it matched; on the prompts of ``benchmarks/replay_pool.py``
+that is where the pool's drafts lose (README, "Text source").
+
+The pool still holds lane n-grams, the text's n-grams for the draft tree's
+branches and for steps where the tree has nothing (its draft is then the
+pool's chain); the goodput controller cuts either draft by its matched
+context length (the tree's match length, the pool's key length).
+
+Tenants (vLLM's ``cache_salt``) never share a tree: each has its own cache,
+at most ``max_tenants`` of them (the least recently used one without running
+requests is dropped), each remembering at most ``cached_requests`` finished
+responses (0: the request's own text only).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from vllm_fafo.errors import FafoConfigError
+
+TEXT_SOURCES = ("pool", "suffix_tree")
+
+TREE_DEPTH = 24
+"""Deepest suffix match, as vLLM's ``suffix_decoding_max_tree_depth`` default."""
+MAX_SPEC_FACTOR = 1.0
+"""Draft at most this many tokens per matched token (vLLM's default)."""
+MIN_TOKEN_PROB = 0.1
+"""Stop the draft where the tree's estimate of a token falls below this (vLLM's default)."""
+
+
+def require_suffix_trees() -> Any:
+    """Arctic Inference's ``SuffixDecodingCache`` class, or the error that says how to get it."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as error:
+        raise FafoConfigError(
+            "speculative_config['text_source']='suffix_tree' needs Arctic Inference's suffix "
+            "trees: pip install arctic-inference==0.3.0 (scripts/install_cpu.sh does), or set "
+            "text_source to 'pool'"
+        ) from error
+    return SuffixDecodingCache
+
+
+class SuffixTrees:
+    """One ``SuffixDecodingCache`` per tenant; requests start, grow, draft and stop here."""
+
+    def __init__(self, cached_requests: int, max_tenants: int) -> None:
+        self._cache_class = require_suffix_trees()
+        self.cached_requests = cached_requests
+        self.max_tenants = max_tenants
+        self._caches: OrderedDict[str | None, Any] = OrderedDict()
+        self._running: dict[str | None, int] = {}
+        self._tenant_of: dict[str, str | None] = {}
+        self._fed: dict[str, int] = {}
+        """Tokens of each running request's text the tree holds."""
+
+    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
+        """A new request: its prompt is the first text its tree matches."""
+        cache = self._caches.get(tenant)
+        if cache is None:
+            cache = self._caches[tenant] = self._cache_class(max_tree_depth=TREE_DEPTH,
+                                                             max_cached_requests=self.cached_requests)
+        self._caches.move_to_end(tenant)
+        if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
+            cache.evict_cached_response(req_id)
+        cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
+        self._tenant_of[req_id] = tenant
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        self._fed[req_id] = len(prompt)
+        self._drop_idle_tenants()
+
+    def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
+        """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
+        after ``history[:num_tokens]``; returns the draft and its match length."""
+        cache = self._caches[self._tenant_of[req_id]]
+        fed = self._fed[req_id]
+        if num_tokens > fed:
+            cache.add_active_response(req_id, np.ascontiguousarray(history[fed:num_tokens], dtype=np.int32))
+            self._fed[req_id] = num_tokens
+        if room <= 0:
+            return [], 0
+        context = np.ascontiguousarray(history[max(0, num_tokens - TREE_DEPTH) : num_tokens], dtype=np.int32)
+        found = cache.speculate(req_id, context, max_spec_tokens=room, max_spec_factor=MAX_SPEC_FACTOR,
+                                min_token_prob=MIN_TOKEN_PROB)
+        tokens = list(found.token_ids)
+        return tokens, (found.match_len if tokens else 0)
+
+    def stop(self, req_id: str) -> None:
+        """A request finished: its output stays in its tenant's tree for later requests."""
+        tenant = self._tenant_of.pop(req_id, None)
+        if req_id not in self._fed:
+            return
+        del self._fed[req_id]
+        self._caches[tenant].stop_request(req_id)
+        self._running[tenant] -= 1
+        self._drop_idle_tenants()
+
+    def clear(self) -> None:
+        """Forget every finished response (running requests keep their own text)."""
+        for cache in self._caches.values():
+            for req_id in [r for r in cache.cached_requests if r not in cache.active_requests]:
+                cache.evict_cached_response(req_id)
+
+    @property
+    def num_tenants(self) -> int:
+        return len(self._caches)
+
+    def num_cached_requests(self) -> int:
+        return sum(len(cache.cached_requests) for cache in self._caches.values())
+
+    def _drop_idle_tenants(self) -> None:
+        """Drop the least recently used tenants without running requests while there
+        are more than ``max_tenants`` (tenants that all have running requests may
+        exceed it: a running request's tree is never dropped)."""
+        excess = len(self._caches) - self.max_tenants
+        for tenant in list(self._caches):
+            if excess <= 0:
+                break
+            if not self._running.get(tenant):
+                del self._caches[tenant]
+                self._running.pop(tenant, None)
+                excess -= 1

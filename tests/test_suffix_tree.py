@@ -58,6 +58,20 @@ def test_no_cached_requests_means_no_sharing():
     assert draft_after(trees, "second", None, [1, 2, *ANSWER[:6]]) == ([], 0)
 
 
+def test_answers_are_bounded_over_all_tenants_oldest_evicted_first():
+    trees = SuffixTrees(cached_requests=2, max_tenants=8)
+    answers = {name: [base + i for i in range(10)] for name, base in (("a", 100), ("b", 200), ("c", 300))}
+    for name, tenant in (("a", "x"), ("b", "y"), ("c", "x")):
+        decode(trees, name, tenant, PROMPT, answers[name])
+        trees.stop(name)
+    assert trees.num_cached_requests() == 2  # b's and c's: a's, the oldest, went
+    # A new request's own answer takes a place too: b's goes now, c's stays.
+    assert draft_after(trees, "asks c", "x", [1, 2, *answers["c"][:6]])[0] == answers["c"][6:]
+    assert draft_after(trees, "asks a", "x", [1, 2, *answers["a"][:6]])[0] == []
+    assert draft_after(trees, "asks b", "y", [1, 2, *answers["b"][:6]])[0] == []
+    assert trees.num_cached_requests() == 2
+
+
 def test_clear_forgets_finished_answers_but_not_a_running_requests_text():
     trees = SuffixTrees(cached_requests=100, max_tenants=4)
     decode(trees, "done", None, PROMPT, ANSWER)

@@ -91,7 +91,7 @@ class FafoConfig:
     ``suffix_tree`` (Arctic Inference's suffix trees, vllm_fafo.suffix_tree; the
     pool still drafts where the tree has nothing, and holds the lanes' n-grams)."""
     suffix_tree_cached_requests: int = 10000
-    """Finished responses each tenant's suffix tree keeps for later requests (the
+    """Answers the suffix trees of all tenants together keep for later requests (the
     oldest is dropped; vLLM ``suffix``'s default); 0, or ``share_pool`` false: none."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""

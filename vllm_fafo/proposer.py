@@ -429,6 +429,7 @@ class FafoProposer:
             "requests_with_region": 0 if self.lanes is None else self.lanes.num_regions_in_use,
             "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
             "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
+            "suffix_tree_answers": 0 if self.suffix_trees is None else self.suffix_trees.num_cached_requests(),
             "controller": self.controller.summary(),
         }
 

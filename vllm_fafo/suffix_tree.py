@@ -17,8 +17,8 @@ context length (the tree's match length, the pool's key length).
 
 Tenants (vLLM's ``cache_salt``) never share a tree: each has its own cache,
 at most ``max_tenants`` of them (the least recently used one without running
-requests is dropped), each remembering at most ``cached_requests`` finished
-responses (0: the request's own text only).
+requests is dropped); all together keep at most ``cached_requests`` answers
+(0: each request drafts from its own text only).
 """
 
 from __future__ import annotations
@@ -54,7 +54,12 @@ def require_suffix_trees() -> Any:
 
 
 class SuffixTrees:
-    """One ``SuffixDecodingCache`` per tenant; requests start, grow, draft and stop here."""
+    """One ``SuffixDecodingCache`` per tenant; requests start, grow, draft and stop here.
+
+    The answers the trees keep for later requests are bounded over all tenants
+    together (``cached_requests``, the oldest answer evicted first), not per
+    tenant: a tree holds about 65 KiB per 256-token answer of random tokens and
+    7.5 KiB for repetitive text (README, "Text source")."""
 
     def __init__(self, cached_requests: int, max_tenants: int) -> None:
         self._cache_class = require_suffix_trees()
@@ -65,20 +70,28 @@ class SuffixTrees:
         self._tenant_of: dict[str, str | None] = {}
         self._fed: dict[str, int] = {}
         """Tokens of each running request's text the tree holds."""
+        self._answers: OrderedDict[tuple[str | None, str], None] = OrderedDict()
+        """(tenant, request) of every answer the trees keep, oldest first."""
 
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
-        """A new request: its prompt is the first text its tree matches."""
+        """A new request: its prompt is the first text its tree matches; its answer
+        is kept for later requests of its tenant (the oldest answer kept goes)."""
         cache = self._caches.get(tenant)
         if cache is None:
+            # Arctic's own bound is per cache: -1 (none) here, the bound over all tenants is kept below.
             cache = self._caches[tenant] = self._cache_class(max_tree_depth=TREE_DEPTH,
-                                                             max_cached_requests=self.cached_requests)
+                                                             max_cached_requests=-1 if self.cached_requests else 0)
         self._caches.move_to_end(tenant)
         if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
-            cache.evict_cached_response(req_id)
+            self._evict(tenant, req_id)
         cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
         self._tenant_of[req_id] = tenant
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self._fed[req_id] = len(prompt)
+        if self.cached_requests:
+            self._answers[(tenant, req_id)] = None
+            while len(self._answers) > self.cached_requests:
+                self._evict(*next(iter(self._answers)))
         self._drop_idle_tenants()
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
@@ -108,17 +121,22 @@ class SuffixTrees:
         self._drop_idle_tenants()
 
     def clear(self) -> None:
-        """Forget every finished response (running requests keep their own text)."""
-        for cache in self._caches.values():
-            for req_id in [r for r in cache.cached_requests if r not in cache.active_requests]:
-                cache.evict_cached_response(req_id)
+        """Forget every finished answer (running requests keep their own text)."""
+        for tenant, req_id in list(self._answers):
+            if req_id not in self._caches[tenant].active_requests:
+                self._evict(tenant, req_id)
 
     @property
     def num_tenants(self) -> int:
         return len(self._caches)
 
     def num_cached_requests(self) -> int:
-        return sum(len(cache.cached_requests) for cache in self._caches.values())
+        """Answers the trees keep, running requests' included."""
+        return len(self._answers)
+
+    def _evict(self, tenant: str | None, req_id: str) -> None:
+        self._caches[tenant].evict_cached_response(req_id)
+        self._answers.pop((tenant, req_id), None)
 
     def _drop_idle_tenants(self) -> None:
         """Drop the least recently used tenants without running requests while there
@@ -131,4 +149,6 @@ class SuffixTrees:
             if not self._running.get(tenant):
                 del self._caches[tenant]
                 self._running.pop(tenant, None)
+                for answer in [a for a in self._answers if a[0] == tenant]:
+                    del self._answers[answer]
                 excess -= 1

@@ -11,6 +11,7 @@ its draft's matching prefix plus one. Reports microseconds per step and per
 request-step, and the tau that the drafts would have given.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
+    python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.proposer import FafoProposer
+from vllm_fafo.suffix_tree import TEXT_SOURCES
 
 
 def repetitive_text(length: int, rng: np.random.Generator, vocab: int = 5000, copy_rate: float = 0.5) -> np.ndarray:
@@ -47,10 +49,11 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
     ))
 
 
-def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0) -> dict:
+def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = "pool",
+            seed: int = 0) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt."""
-    config = FafoConfig(num_lanes=0, controller=controller)
+    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -92,13 +95,14 @@ def main() -> None:
     parser.add_argument("--history", default="128,1024,8192,65536", help="prompt tokens per request, comma-separated")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
+    parser.add_argument("--text-source", default="pool", choices=TEXT_SOURCES)
     args = parser.parse_args()
-    print(f"controller {args.controller}, {args.steps} steps, pool only (num_lanes 0)")
+    print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0)")
     print("| batch | history tokens | us per step | us per request-step | tau |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
-            result = measure(batch, length, args.steps, args.controller)
+            result = measure(batch, length, args.steps, args.controller, args.text_source)
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
                   f"| {result['tau']:.2f} |")
 

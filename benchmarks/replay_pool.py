@@ -3,7 +3,8 @@
 A matrix run keeps every cell's tokens; its ``none`` cell is what plain vLLM
 decoded. Under greedy decoding a draft is accepted up to its first token that
 differs from that text, so replaying the text through the proposer's own
-pool code (``file_new_ngrams``, ``chain_draft``, the shared pool) gives the tau
+pool code (``file_new_ngrams``, ``chain_draft``, the shared pool, and with
+``"text_source": "suffix_tree"`` the suffix trees first) gives the tau
 of any pool setting in seconds, without an engine: how long drafts could be,
 which key length, how many candidates per key, sharing on or off. Drafts are
 not cut: this is the tau the goodput controller starts from (it cuts drafts
@@ -41,6 +42,7 @@ from vllm_fafo.proposer import (
     request_pool,
     shared_pools,
 )
+from vllm_fafo.suffix_tree import TREE_DEPTH, SuffixTrees
 
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
@@ -54,18 +56,28 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     reported too; without it drafts are kept whole."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
-    controller = None if cost_ms is None else GoodputController(config.lane_len, k, max_key_len)
+    trees = None
+    if config.text_source == "suffix_tree":
+        trees = SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, 1)
+    longest_match = max(max_key_len, TREE_DEPTH if trees is not None else 0)
+    controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match)
     forwards = tokens = drafted = 0
     seconds = 0.0
-    for prompt, output in requests:
+    for index, (prompt, output) in enumerate(requests):
         pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
         history = np.array([*prompt, *output])  # read only up to the tokens decoded so far
         next_anchor = first_anchor(config, len(prompt))
+        if trees is not None:
+            trees.start(str(index), None, history[: len(prompt)])
         done, forwards = 1, forwards + 1  # the prefill's forward gives the first token
         while done < len(output):
             num_tokens = len(prompt) + done
             next_anchor = file_new_ngrams(config, pools, history, next_anchor, num_tokens, len(prompt))
-            draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
+            draft, key_len = [], 0
+            if trees is not None:
+                draft, key_len = trees.draft(str(index), history, num_tokens, k)
+            if not draft:
+                draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
             if controller is not None:
                 draft = draft[: int(controller.choose_draft_lens(1, np.array([key_len]), np.array([len(draft)]))[0])]
             accepted = 0
@@ -83,6 +95,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
                     draft_lengths=np.array([len(draft)]), accepted_lengths=np.array([accepted]),
                     key_lens=np.array([key_len if draft else 0]),
                 ))
+        if trees is not None:
+            trees.stop(str(index))
         tokens += len(output)
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:

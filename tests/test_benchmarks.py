@@ -158,3 +158,25 @@ def test_pool_replay_drafts_what_the_text_repeats():
     assert free["tokens_per_s"] == pytest.approx(32 / ((32 / free["tau"] - 1) * 0.010))
     costly = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0))
     assert costly["tau"] < replay(config(num_speculative_tokens=16), [copying] * 3)["tau"]
+
+
+def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
+    from vllm_fafo.config import FafoConfig
+
+    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def replay(*requests, **keys):
+        return module.replay(FafoConfig.from_user_dict({"method": "fafo", "text_source": "suffix_tree", **keys}),
+                             list(requests))
+
+    prompt = list(range(100, 140))
+    copying = (prompt, prompt[:32])
+    fresh = (prompt, list(range(500, 532)))
+    # The quote is drafted as it is matched: 1 token after 1 matched, 2 after 2, ...
+    # (the pool drafts all 16 at once): the same text in more forwards.
+    quoted = replay(copying)
+    assert 1.0 < quoted["tau"] < 32 / 3
+    # An earlier answer drafts for a later request; with sharing off, not.
+    assert replay(fresh, fresh)["tau"] > replay(fresh, fresh, share_pool=False)["tau"] == 1.0

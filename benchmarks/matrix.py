@@ -14,6 +14,10 @@ identity column reads n/a (tests/test_sampling.py checks the distribution).
     python benchmarks/matrix.py --methods none,ngram,fafo --datasets mtbench \
         --num-prompts 20 --max-tokens 256
 
+``--rounds N`` runs the whole matrix N times, the methods in alternating order, and
+reports per-cell medians (``OUT/rounds.md``): methods run one after another, so a
+machine whose speed drifts moves one method's cells against another's.
+
 A method is a built-in name (``none``, ``ngram``, ``suffix`` when
 arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABEL=JSON`` for any
 speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
@@ -381,6 +385,59 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def run_rounds(args: argparse.Namespace, methods: list[str], labels: list[str], child_args: list[str]) -> None:
+    """``--rounds N``: the whole matrix N times (into OUT/round1 ..), the methods in
+    alternating order (forward, then backward), and per cell the median over rounds of
+    tokens/s and of its ratio to the best other method of the same round. Why: the
+    methods run one after another, and a machine whose speed drifts (a CPU shared with
+    others) moves one method's cells against another's; alternating the order and
+    taking medians cancels a steady drift and damps a passing one."""
+    out = Path(args.out)
+    per_round: list[list[dict]] = []
+    for index in range(args.rounds):
+        round_out = out / f"round{index + 1}"
+        for method in (methods if index % 2 == 0 else methods[::-1]):
+            subprocess.run([sys.executable, __file__, *child_args, "--out", str(round_out), "--child", method],
+                           check=True)
+        per_round.append(summarize(argparse.Namespace(**{**vars(args), "out": str(round_out)}), labels))
+    table = rounds_table(per_round)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rounds.md").write_text(table)
+    (out / "rounds.json").write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "machine": machine_description(),
+        "args": {k: v for k, v in vars(args).items() if k != "child"},
+        "rounds": [[{k: v for k, v in row.items() if k != "token_ids"} for row in rows] for rows in per_round],
+    }, indent=1))
+    print(table)
+    print(f"wrote {out / 'rounds.md'}, {out / 'rounds.json'}")
+
+
+def rounds_table(per_round: list[list[dict]]) -> str:
+    """Per cell: tokens/s of every round, their median, and the median over rounds of
+    the ratio to the best other method of that round."""
+    import statistics
+
+    lines = ["| dataset | batch | method | tokens/s by round | median tokens/s | median ratio to best other |"
+             " identical to none |",
+             "|---|---|---|---|---|---|---|"]
+    for position, first in enumerate(per_round[0]):
+        cells = [rows[position] for rows in per_round]
+        ratios = []
+        for rows, cell in zip(per_round, cells):
+            others = [r["tokens_per_s"] for r in rows if r["dataset"] == cell["dataset"]
+                      and r["batch_size"] == cell["batch_size"] and r["method"] != cell["method"]]
+            if others:
+                ratios.append(cell["tokens_per_s"] / max(others))
+        same = {c["identical_to_none"] for c in cells}
+        identical = "n/a" if same == {None} else ("yes" if same == {True} else "NO")
+        lines.append(
+            f"| {first['dataset']} | {first['batch_size']} | {first['method']} | "
+            + " / ".join(f"{c['tokens_per_s']:.1f}" for c in cells)
+            + f" | {statistics.median(c['tokens_per_s'] for c in cells):.1f} | "
+            + (f"{statistics.median(ratios):.2f}" if ratios else "n/a") + f" | {identical} |")
+    return "\n".join(lines) + "\n"
+
+
 def machine_description() -> dict:
     import torch
     import vllm
@@ -421,10 +478,15 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/results/latest")
     parser.add_argument("--force", action="store_true", help="redo finished cells")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the matrix this many times, methods in alternating order, into "
+                             "OUT/round1.. and report per-cell medians (OUT/rounds.md)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.temperature < 0:
         parser.error(f"--temperature must be at least 0, got {args.temperature}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     if args.child is not None:
         run_method_cells(args)
@@ -435,6 +497,9 @@ def main() -> None:
     if len(set(labels)) != len(labels):
         raise SystemExit(f"method labels must be unique, got {labels}")
     child_args = [a for a in sys.argv[1:]]
+    if args.rounds > 1:
+        run_rounds(args, methods, labels, child_args)
+        return
     for method in methods:
         subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
 

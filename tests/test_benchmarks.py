@@ -180,3 +180,39 @@ def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
     assert 1.0 < quoted["tau"] < 32 / 3
     # An earlier answer drafts for a later request; with sharing off, not.
     assert replay(fresh, fresh)["tau"] > replay(fresh, fresh, share_pool=False)["tau"] == 1.0
+
+
+def _matrix_module():
+    spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_table_takes_medians_of_rates_and_of_ratios_within_each_round():
+    def row(method, rate):
+        return {"dataset": "mtbench", "batch_size": 1, "method": method, "tokens_per_s": rate,
+                "identical_to_none": True}
+
+    # The machine slows down over the rounds; fafo against the best other is 1.1, 0.5, 1.2.
+    rounds = [[row("none", 100.0), row("fafo", 110.0)],
+              [row("none", 200.0), row("fafo", 100.0)],
+              [row("none", 50.0), row("fafo", 60.0)]]
+    table = _matrix_module().rounds_table(rounds)
+    assert "| mtbench | 1 | fafo | 110.0 / 100.0 / 60.0 | 100.0 | 1.10 | yes |" in table
+    assert "| mtbench | 1 | none | 100.0 / 200.0 / 50.0 | 100.0 | 0.91 | yes |" in table
+
+
+def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):
+    out = tmp_path / "bench"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--methods", "none,fafo",
+        "--datasets", "mtbench", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
+        "--kv-cache-mib", "128", "--out", str(out), "--rounds", "2",
+    ]
+    subprocess.run(command, check=True, timeout=900, cwd=ROOT)
+    finished = {path.parent.parent.name + "/" + path.stem: path.stat().st_mtime_ns
+                for path in out.glob("round*/cells/*.json")}
+    assert finished["round1/none__mtbench__b1"] < finished["round1/fafo__mtbench__b1"]
+    assert finished["round2/fafo__mtbench__b1"] < finished["round2/none__mtbench__b1"]
+    assert (out / "rounds.md").read_text().count("| mtbench | 1 |") == 2

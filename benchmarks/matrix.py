@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -415,8 +416,6 @@ def run_rounds(args: argparse.Namespace, methods: list[str], labels: list[str], 
 def rounds_table(per_round: list[list[dict]]) -> str:
     """Per cell: tokens/s of every round, their median, and the median over rounds of
     the ratio to the best other method of that round."""
-    import statistics
-
     lines = ["| dataset | batch | method | tokens/s by round | median tokens/s | median ratio to best other |"
              " identical to none |",
              "|---|---|---|---|---|---|---|"]

@@ -39,10 +39,11 @@ from vllm_fafo.proposer import (
     chain_draft,
     file_new_ngrams,
     first_anchor,
+    longest_match,
     request_pool,
     shared_pools,
+    suffix_trees,
 )
-from vllm_fafo.suffix_tree import TREE_DEPTH, SuffixTrees
 
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
@@ -56,11 +57,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     reported too; without it drafts are kept whole."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
-    trees = None
-    if config.text_source == "suffix_tree":
-        trees = SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, 1)
-    longest_match = max(max_key_len, TREE_DEPTH if trees is not None else 0)
-    controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match)
+    trees = suffix_trees(config)
+    controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match(config))
     forwards = tokens = drafted = 0
     seconds = 0.0
     for index, (prompt, output) in enumerate(requests):

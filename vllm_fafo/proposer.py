@@ -101,6 +101,19 @@ def shared_pools(config: FafoConfig) -> TenantPools | None:
                        touch_on_lookup=config.touch_on_lookup)
 
 
+def suffix_trees(config: FafoConfig) -> SuffixTrees | None:
+    """The text's suffix trees, one per tenant (None: ``text_source`` is the pool)."""
+    if config.text_source != "suffix_tree":
+        return None
+    return SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, config.shared_pool_tenants)
+
+
+def longest_match(config: FafoConfig) -> int:
+    """The longest matched context a draft reports as its evidence (the goodput
+    controller keeps a row per length): the pool's key, or the suffix tree's match."""
+    return max(config.max_key_len, TREE_DEPTH if config.text_source == "suffix_tree" else 0)
+
+
 def first_anchor(config: FafoConfig, prompt_len: int) -> int:
     """The first history position whose following n-gram a new request files: the
     prompt's start, or (prompt not seeded) the last n-gram that reaches the output."""
@@ -235,14 +248,9 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
-        self.suffix_trees: SuffixTrees | None = None
-        if self.config.text_source == "suffix_tree":
-            self.suffix_trees = SuffixTrees(self.config.suffix_tree_cached_requests if self.config.share_pool else 0,
-                                            self.config.shared_pool_tenants)
-        # The controller reads a draft's evidence by the length of the context it matched.
-        longest_match = max(self.config.max_key_len, TREE_DEPTH if self.suffix_trees is not None else 0)
+        self.suffix_trees = suffix_trees(self.config)
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
-                                          longest_match)
+                                          longest_match(self.config))
         self._last_log = time.monotonic()
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()

@@ -24,6 +24,7 @@ requests is dropped); all together keep at most ``cached_requests`` answers
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,13 @@ def require_suffix_trees() -> Any:
     return SuffixDecodingCache
 
 
+@dataclass
+class _Running:
+    tenant: str | None
+    fed: int
+    """Tokens of the request's text its tree holds."""
+
+
 class SuffixTrees:
     """One ``SuffixDecodingCache`` per tenant; requests start, grow, draft and stop here.
 
@@ -66,10 +74,7 @@ class SuffixTrees:
         self.cached_requests = cached_requests
         self.max_tenants = max_tenants
         self._caches: OrderedDict[str | None, Any] = OrderedDict()
-        self._running: dict[str | None, int] = {}
-        self._tenant_of: dict[str, str | None] = {}
-        self._fed: dict[str, int] = {}
-        """Tokens of each running request's text the tree holds."""
+        self._running: dict[str, _Running] = {}
         self._answers: OrderedDict[tuple[str | None, str], None] = OrderedDict()
         """(tenant, request) of every answer the trees keep, oldest first."""
 
@@ -85,9 +90,7 @@ class SuffixTrees:
         if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
         cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
-        self._tenant_of[req_id] = tenant
-        self._running[tenant] = self._running.get(tenant, 0) + 1
-        self._fed[req_id] = len(prompt)
+        self._running[req_id] = _Running(tenant, len(prompt))
         if self.cached_requests:
             self._answers[(tenant, req_id)] = None
             while len(self._answers) > self.cached_requests:
@@ -97,11 +100,11 @@ class SuffixTrees:
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length."""
-        cache = self._caches[self._tenant_of[req_id]]
-        fed = self._fed[req_id]
-        if num_tokens > fed:
-            cache.add_active_response(req_id, np.ascontiguousarray(history[fed:num_tokens], dtype=np.int32))
-            self._fed[req_id] = num_tokens
+        running = self._running[req_id]
+        cache = self._caches[running.tenant]
+        if num_tokens > running.fed:
+            cache.add_active_response(req_id, np.ascontiguousarray(history[running.fed : num_tokens], dtype=np.int32))
+            running.fed = num_tokens
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - TREE_DEPTH) : num_tokens], dtype=np.int32)
@@ -112,18 +115,16 @@ class SuffixTrees:
 
     def stop(self, req_id: str) -> None:
         """A request finished: its output stays in its tenant's tree for later requests."""
-        tenant = self._tenant_of.pop(req_id, None)
-        if req_id not in self._fed:
+        running = self._running.pop(req_id, None)
+        if running is None:
             return
-        del self._fed[req_id]
-        self._caches[tenant].stop_request(req_id)
-        self._running[tenant] -= 1
+        self._caches[running.tenant].stop_request(req_id)
         self._drop_idle_tenants()
 
     def clear(self) -> None:
         """Forget every finished answer (running requests keep their own text)."""
         for tenant, req_id in list(self._answers):
-            if req_id not in self._caches[tenant].active_requests:
+            if req_id not in self._running:
                 self._evict(tenant, req_id)
 
     @property
@@ -143,12 +144,14 @@ class SuffixTrees:
         are more than ``max_tenants`` (tenants that all have running requests may
         exceed it: a running request's tree is never dropped)."""
         excess = len(self._caches) - self.max_tenants
+        if excess <= 0:
+            return
+        busy = {running.tenant for running in self._running.values()}
         for tenant in list(self._caches):
             if excess <= 0:
                 break
-            if not self._running.get(tenant):
+            if tenant not in busy:
                 del self._caches[tenant]
-                self._running.pop(tenant, None)
                 for answer in [a for a in self._answers if a[0] == tenant]:
                     del self._answers[answer]
                 excess -= 1

@@ -36,19 +36,32 @@ methods without lanes vLLM's defaults, the fair baseline on a GPU. ``--shape
 llama3-8b`` swaps the model for a Llama-3-8B body with random weights
 (``load_format="dummy"``): its ms/step prices the same tail layout at a
 realistic size, its tau and outputs mean nothing.
+
+``--profile`` runs every cell under cProfile and writes ``OUT/profiles/CELL.txt``:
+host milliseconds per engine step spent in the plugin's code (``vllm_fafo``,
+its patches) and in the drafter's ``propose``, the heaviest functions, and on
+CUDA the call sites that synchronised the GPU (torch's sync debug mode). Those
+cells' timings carry the profiler's overhead (``profiled`` in the cell).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import resource
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
+from collections import Counter
+from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -150,6 +163,68 @@ def _forget_past_responses(worker) -> int:
     return len(cached)
 
 
+@contextmanager
+def profiled(enabled: bool, report_path: Path, steps_of):
+    """cProfile (and, on CUDA, torch's sync debug mode) around a cell; writes the report.
+
+    ``steps_of()`` returns the engine steps so far, to give per-step figures."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    syncs: Counter[str] = Counter()
+    use_cuda = torch.cuda.is_available()
+
+    def note_sync(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings" not in f.filename]
+        site = frames[-1] if frames else None
+        syncs[f"{site.filename}:{site.lineno} {site.name}" if site else "?"] += 1
+
+    steps_before = steps_of()
+    profiler = cProfile.Profile()
+    with warnings.catch_warnings():
+        if use_cuda:
+            warnings.simplefilter("always")
+            warnings.showwarning = note_sync
+            torch.cuda.set_sync_debug_mode("warn")
+        profiler.enable()
+        try:
+            yield
+        finally:
+            profiler.disable()
+            if use_cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    steps = max(1, steps_of() - steps_before)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(profile_report(profiler, steps, syncs))
+
+
+def profile_report(profiler: cProfile.Profile, steps: int, syncs: Counter[str]) -> str:
+    """Per engine step: host ms in the plugin's own code (self time of functions in
+    ``vllm_fafo`` files, patches included), in drafters' ``propose`` (cumulative), and
+    the top functions; then the GPU synchronisation sites."""
+    stats = pstats.Stats(profiler)
+    plugin_s = sum(row[2] for (filename, _, _), row in stats.stats.items() if "vllm_fafo" in filename)
+    propose_s = sum(row[3] for (filename, _, name), row in stats.stats.items()
+                    if name == "propose" and ("spec_decode" in filename or "vllm_fafo" in filename))
+    lines = [f"engine steps: {steps}",
+             f"host ms per step, total profiled: {1000 * stats.total_tt / steps:.3f}",
+             f"host ms per step in vllm_fafo code (self time): {1000 * plugin_s / steps:.3f}",
+             f"host ms per step in drafter propose (cumulative): {1000 * propose_s / steps:.3f}",
+             f"GPU synchronisations per step: {sum(syncs.values()) / steps:.2f}", ""]
+    for site, count in syncs.most_common(20):
+        lines.append(f"  {count / steps:6.2f} per step  {site}")
+    for key in ("tottime", "cumulative"):
+        buffer = io.StringIO()
+        pstats.Stats(profiler, stream=buffer).sort_stats(key).print_stats(35)
+        lines += ["", f"== top by {key}", buffer.getvalue()]
+    return "\n".join(lines)
+
+
 def run_method_cells(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # peak memory is this process's
     import torch
@@ -205,9 +280,10 @@ def run_method_cells(args: argparse.Namespace) -> None:
         tail_before, tree_before, branch_before, steps_before = tail_counters()
         token_ids: list[list[int]] = []
         forwards = 0
+        report = out / "profiles" / f"{label}__{dataset}__b{batch_size}.txt"
         start = time.perf_counter()
-        with tqdm(total=len(prompts), desc=f"{label} {dataset} b{batch_size}",
-                  unit="prompt") as bar:
+        with profiled(args.profile, report, lambda: engine_steps(llm)), tqdm(
+                total=len(prompts), desc=f"{label} {dataset} b{batch_size}", unit="prompt") as bar:
             for i in range(0, len(prompts), batch_size):
                 chunk = prompts[i : i + batch_size]
                 chunk_ids, chunk_forwards = generate_counting_forwards(
@@ -226,7 +302,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
         cell = {
             "method": label, "dataset": dataset, "batch_size": batch_size,
             "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
+            "temperature": args.temperature, "profiled": args.profile,
             "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),
             # Per request, the forwards that gave it tokens (vLLM's own count, tokens over
@@ -480,6 +556,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the matrix this many times, methods in alternating order, into "
                              "OUT/round1.. and report per-cell medians (OUT/rounds.md)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run each cell under cProfile (and torch's CUDA sync debug mode) and "
+                             "write OUT/profiles/CELL.txt; timings then carry the profiler's overhead")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.temperature < 0:

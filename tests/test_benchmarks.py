@@ -203,6 +203,28 @@ def test_rounds_table_takes_medians_of_rates_and_of_ratios_within_each_round():
     assert "| mtbench | 1 | none | 100.0 / 200.0 / 50.0 | 100.0 | 0.91 | yes |" in table
 
 
+def test_profile_report_counts_the_plugin_s_own_time_per_step(tmp_path):
+    """``--profile``: host time in vllm_fafo code and in ``propose`` per engine step."""
+    import numpy as np
+
+    from vllm_fafo.pool import NgramPool, Origin
+
+    matrix = _matrix_module()
+    pool = NgramPool(max_key_len=4, capacity=4)
+    report = tmp_path / "profiles" / "cell.txt"
+    with matrix.profiled(True, report, steps_of=iter([10, 20]).__next__):
+        for start in range(2000):
+            pool.add(np.arange(start, start + 4).tolist(), (start + 4,), Origin.OUTPUT)
+        sum(range(10**6))  # time outside the plugin
+    text = report.read_text()
+    assert text.startswith("engine steps: 10\n")
+    plugin_ms = float(text.split("in vllm_fafo code (self time): ")[1].split("\n")[0])
+    total_ms = float(text.split("total profiled: ")[1].split("\n")[0])
+    assert 0 < plugin_ms < total_ms
+    assert "drafter propose (cumulative): 0.000" in text
+    assert "pool.py" in text and "== top by cumulative" in text
+
+
 def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):
     out = tmp_path / "bench"
     command = [

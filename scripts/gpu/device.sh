@@ -11,6 +11,9 @@
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
 #             default fafo (pool only on CUDA), pool-only fafo under the fixed
 #             controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
+#   profile   the matrix under --profile on SmolLM2 (bf16, CUDA graphs): host ms per
+#             step in the plugin and in propose, and the GPU synchronisation sites, for
+#             plain, ngram and default fafo at batch 1 and 32
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -70,6 +73,16 @@ test_gpu() {
 # so a stage cut by the call's limit is continued by calling it again).
 LIMIT=${FAFO_STAGE_SECONDS:-540}
 
+profile() {
+    mkdir -p "$OUT/profile"
+    outside_checkout benchmarks
+    timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 --profile \
+        --methods none,ngram,fafo --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,32}" \
+        --num-prompts 32 --max-tokens 128 --out "$ROOT/results/profile" || true
+    cp "$ROOT"/results/profile/summary.md "$OUT/profile/" 2>/dev/null || true
+    (cd "$ROOT/results/profile/profiles" && tar -czf "$OUT/profile/profiles.tar.gz" .) || true
+}
+
 bench_smollm2() {
     mkdir -p "$OUT/smollm2"
     outside_checkout benchmarks
@@ -105,9 +118,10 @@ for step in "$@"; do
         receive) receive ;;
         install) install ;;
         test) test_gpu ;;
+        profile) profile ;;
         bench_smollm2) bench_smollm2 ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

@@ -206,7 +206,7 @@ def profiled(enabled: bool, report_path: Path, steps_of):
 def profile_report(profiler: cProfile.Profile, steps: int, syncs: Counter[str]) -> str:
     """Per engine step: host ms in the plugin's own code (self time of functions in
     ``vllm_fafo`` files, patches included), in drafters' ``propose`` (cumulative), and
-    the top functions; then the GPU synchronisation sites."""
+    the GPU synchronisation sites; then the top functions, and the plugin's."""
     stats = pstats.Stats(profiler)
     plugin_s = sum(row[2] for (filename, _, _), row in stats.stats.items() if "vllm_fafo" in filename)
     propose_s = sum(row[3] for (filename, _, name), row in stats.stats.items()
@@ -218,10 +218,12 @@ def profile_report(profiler: cProfile.Profile, steps: int, syncs: Counter[str]) 
              f"GPU synchronisations per step: {sum(syncs.values()) / steps:.2f}", ""]
     for site, count in syncs.most_common(20):
         lines.append(f"  {count / steps:6.2f} per step  {site}")
-    for key in ("tottime", "cumulative"):
+    for title, key, restrictions in (("top by tottime", "tottime", (35,)),
+                                     ("top by cumulative", "cumulative", (35,)),
+                                     ("vllm_fafo's functions by cumulative", "cumulative", ("vllm_fafo", 30))):
         buffer = io.StringIO()
-        pstats.Stats(profiler, stream=buffer).sort_stats(key).print_stats(35)
-        lines += ["", f"== top by {key}", buffer.getvalue()]
+        pstats.Stats(profiler, stream=buffer).sort_stats(key).print_stats(*restrictions)
+        lines += ["", f"== {title}", buffer.getvalue()]
     return "\n".join(lines)
 
 

@@ -133,6 +133,25 @@ def test_reach_probability_chains_continuation_rates_and_is_optimistic_where_unt
     ])
 
 
+def test_continuation_rates_equal_the_recurrence_written_out():
+    """The closed form against the recurrence, position by position, on random
+    decayed counts: one prior per row and one shared by all rows."""
+    from vllm_fafo.goodput import _continuation
+
+    rng = np.random.default_rng(3)
+    trials = rng.random((5, 64)) * rng.choice([0.0, 1.0, 1e4], size=(5, 64))
+    hits = trials * rng.random((5, 64))
+    for priors, weight in ((rng.random(5), 1.0), (np.ones(1), 0.25)):
+        expected = np.empty_like(trials)
+        for row in range(5):
+            prior = priors[row % len(priors)]
+            for k in range(64):
+                prior = expected[row, k] = (hits[row, k] + weight * prior) / (trials[row, k] + weight)
+        np.testing.assert_allclose(_continuation(trials, hits, priors, weight), expected, rtol=1e-12)
+    np.testing.assert_allclose(_continuation(trials[0], hits[0], np.ones(1), 0.25)[0],
+                               _continuation(trials[:1], hits[:1], np.ones(1), 0.25)[0])
+
+
 def test_a_position_that_failed_once_is_judged_by_the_drafts_that_reach_it_later():
     """One draft broke at position 3; afterwards drafts of 2 are always accepted. The
     position's failure fades and it is judged like position 2 again (estimating

@@ -20,10 +20,12 @@ vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
    wrote ids and positions and zeroed the padding's positions): the tail's
    ids and positions are written behind the real tokens.
 5. ``sample_tokens(grammar_output)``, before it (the forward ran, its hidden
-   states wait in ``execute_model_state``): ``read_branch_logits``.
+   states wait in ``execute_model_state``): ``read_branch_logits``, with each
+   request's ``sampling_params``.
 6. ``_sample(logits, spec_decode_metadata)``, after it: ``accept_branches``
    may swap a request's sampled row for a branch that got further than the
-   spine, before vLLM's bookkeeping reads the rows.
+   spine, before vLLM's bookkeeping reads the rows (seeded requests draw from
+   their own generators, ``input_batch.generators``).
 7. ``propose_draft_token_ids(scheduler_output, sampled_token_ids,
    sampling_metadata, hidden_states, ...)``, before it: ``finish_forward``
    gets ``input_batch.req_ids`` (the row order of the ``sampled_token_ids``
@@ -153,7 +155,8 @@ def apply() -> None:
         drafter = _fafo_drafter(self)
         state = self.execute_model_state
         if drafter is not None and state is not None:
-            drafter.read_branch_logits(state.hidden_states, self.model.compute_logits)
+            drafter.read_branch_logits(state.hidden_states, self.model.compute_logits,
+                                       lambda req_id: self.requests[req_id].sampling_params)
         return original_sample_tokens(self, grammar_output, *args, **kwargs)
 
     @functools.wraps(original_sample)
@@ -161,7 +164,7 @@ def apply() -> None:
         sampler_output = original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         drafter = _fafo_drafter(self)
         if drafter is not None and spec_decode_metadata is not None:
-            drafter.accept_branches(sampler_output.sampled_token_ids)
+            drafter.accept_branches(sampler_output.sampled_token_ids, self.input_batch.generators)
         return sampler_output
 
     @functools.wraps(original_propose)

@@ -118,6 +118,90 @@ def test_greedy_acceptance_is_the_longest_accepted_root_to_leaf_path():
     assert wins > 40
 
 
+def _target_probs(context: tuple[int, ...], vocab: int = 4) -> np.ndarray:
+    """A fixed, uneven distribution per context (the 'model' of the sampled test)."""
+    weights = np.random.default_rng(hash(context) % 2**32).random(vocab) ** 2 + 0.05
+    return weights / weights.sum()
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+
+def test_sampled_acceptance_keeps_the_target_distribution():
+    """vLLM's one-hot rejection sampling of the spine, then accept_sampled on the
+    branches, then the rest sampled from the target: every 3-token sequence comes out
+    with its probability under the target (binned exactly: 64 sequences)."""
+    from vllm_fafo.tree import accept_sampled
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    text, spine = (1, 2), [0, 1, 2]
+    branches = [Branch(0, (1, 0, 3)), Branch(0, (2, 2)), Branch(0, (3,)), Branch(1, (0, 0)), Branch(1, (3, 1))]
+    request = layout_request("r", 0, 0, 10, 0, branches, torch.device("cpu"))
+    probs = torch.tensor(np.array([
+        _target_probs(text + tuple(spine[: b.node]) + b.tokens[: i + 1])
+        for b in branches for i in range(len(b.tokens))
+    ]), dtype=torch.float32)
+    length, trials, branch_wins = 3, 20_000, 0
+    counts = np.zeros((4,) * length)
+    for _ in range(trials):
+        row = np.full(len(spine) + 1, PLACEHOLDER)
+        for i, token in enumerate(spine):  # vLLM: accept with p(token), else draw the residual
+            target = _target_probs(text + tuple(spine[:i]))
+            if rng.random() < target[token]:
+                row[i] = token
+                continue
+            target[token] = 0.0
+            row[i] = _draw(target, rng)
+            break
+        else:
+            row[len(spine)] = _draw(_target_probs(text + tuple(spine)), rng)
+        win = accept_sampled(row, request, probs, None)
+        out = [int(t) for t in row if t != PLACEHOLDER] if win is None else win[2]
+        branch_wins += win is not None
+        while len(out) < length:
+            out.append(_draw(_target_probs(text + tuple(out)), rng))
+        counts[tuple(out[:length])] += 1
+    exact = np.array([[[_target_probs(text)[a] * _target_probs(text + (a,))[b] * _target_probs(text + (a, b))[c]
+                        for c in range(4)] for b in range(4)] for a in range(4)])
+    total_variation = 0.5 * np.abs(counts / trials - exact).sum()
+    assert branch_wins > trials // 10
+    assert total_variation < 0.04, total_variation
+
+
+def test_which_requests_get_branches():
+    from vllm import SamplingParams
+
+    from vllm_fafo.tree import keeps_exact_with_branches
+
+    assert keeps_exact_with_branches(SamplingParams(temperature=0.0))
+    assert keeps_exact_with_branches(SamplingParams(temperature=0.8, top_p=0.9, top_k=20))
+    assert keeps_exact_with_branches(SamplingParams(temperature=0.8, seed=3))  # its own generator
+    for refused in (dict(temperature=0.8, min_p=0.1), dict(temperature=0.0, logprobs=1),
+                    dict(temperature=0.8, repetition_penalty=1.1), dict(temperature=0.0, min_tokens=4)):
+        assert not keeps_exact_with_branches(SamplingParams(**refused)), refused
+
+
+def test_sampling_probs_are_temperature_top_k_top_p_then_softmax():
+    """Against the filters written out: top-k keeps the k largest logits; top-p (vLLM)
+    keeps the largest tokens whose probabilities sum to at least p."""
+    from vllm import SamplingParams
+
+    from vllm_fafo.tree import sampling_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
+    got = sampling_probs(logits, SamplingParams(temperature=0.5, top_k=3))
+    expected = torch.softmax(torch.where(logits >= logits.topk(3).values[:, -1:], logits / 0.5, -torch.inf), -1)
+    torch.testing.assert_close(got, expected)
+    got = sampling_probs(logits, SamplingParams(temperature=2.0, top_p=0.6))
+    for row, probs in zip(logits, got):
+        full = torch.softmax(row / 2.0, -1)
+        order = full.argsort(descending=True)
+        keep = order[: int((full[order].cumsum(0) < 0.6).sum()) + 1]
+        torch.testing.assert_close(probs, torch.zeros(6).index_put((keep,), full[keep] / full[keep].sum()))
+
+
 def test_paged_cache_write_is_read_back_and_is_what_vllm_would_have_written():
     from vllm import _custom_ops as ops
 

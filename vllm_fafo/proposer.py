@@ -31,7 +31,7 @@ already keeps, never from a scan of the whole sequence.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +57,12 @@ from vllm_fafo.tree import (
     Branch,
     BranchPlan,
     accept_greedy,
+    accept_sampled,
     branch_positions,
     grow_branches,
+    is_sampled,
     layout_request,
+    sampling_probs,
 )
 
 logger = init_logger(__name__)
@@ -207,6 +210,8 @@ class FafoStep:
     branches_attached: bool = False
     branch_argmax: np.ndarray | None = None
     """The target's argmax after each branch token, once the forward ran."""
+    branch_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sampled requests: the target's distribution after each of their branch tokens."""
     branch_wins: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Requests whose branch beat the spine: (spine tokens, branch tokens) accepted."""
     tree_eligible: frozenset[str] = frozenset()
@@ -351,19 +356,28 @@ class FafoProposer:
         positions = np.concatenate([p.tail_positions if p is step.plan else p.positions for p in parts])
         return ids, positions
 
-    def read_branch_logits(self, hidden_states: torch.Tensor, compute_logits) -> None:
-        """4b. The forward ran: the target's choice after each branch token."""
+    def read_branch_logits(self, hidden_states: torch.Tensor, compute_logits,
+                           sampling_params_of: Callable[[str], Any]) -> None:
+        """4b. The forward ran: the target's choice after each branch token (greedy
+        requests), or its distribution there (sampled ones)."""
         step = self.step
         if step is None or step.branches is None or step.branch_argmax is not None:
             return
         plan = step.branches
         span = slice(plan.first_token, plan.first_token + plan.num_tokens)
-        step.branch_argmax = compute_logits(hidden_states[span]).argmax(dim=-1).cpu().numpy()
+        logits = compute_logits(hidden_states[span])
+        step.branch_argmax = logits.argmax(dim=-1).cpu().numpy()
+        for request in plan.requests:
+            params = sampling_params_of(request.req_id)
+            if is_sampled(params):
+                first = request.start - plan.first_token
+                step.branch_probs[request.req_id] = sampling_probs(logits[first : first + request.num_tokens], params)
 
-    def accept_branches(self, sampled_token_ids: torch.Tensor) -> None:
+    def accept_branches(self, sampled_token_ids: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
         """4c. vLLM sampled the spines: where a branch got further, its tokens replace the
         row (in place) and its keys and values replace the rejected spine tokens' in the
-        paged cache, so vLLM sees nothing but more accepted drafts."""
+        paged cache, so vLLM sees nothing but more accepted drafts. ``generators``: the
+        seeded requests' own, by batch row."""
         step = self.step
         if step is None or step.branches is None or step.branch_argmax is None:
             return
@@ -371,8 +385,12 @@ class FafoProposer:
         rows = sampled_token_ids.cpu().numpy()
         for request in plan.requests:
             first = request.start - plan.first_token
-            argmax = step.branch_argmax[first : first + request.num_tokens]
-            win = accept_greedy(rows[request.batch_row], request, argmax)
+            probs = step.branch_probs.get(request.req_id)
+            if probs is None:
+                argmax = step.branch_argmax[first : first + request.num_tokens]
+                win = accept_greedy(rows[request.batch_row], request, argmax)
+            else:
+                win = accept_sampled(rows[request.batch_row], request, probs, generators.get(request.batch_row))
             if win is None:
                 continue
             index, matches, tokens = win

@@ -18,7 +18,19 @@ it hangs off, so a win is, to vLLM's scheduler, just more accepted drafts:
 the slots exist, and the KV the branch computed for its accepted tokens is
 copied over the rejected spine tokens' slots (``commit_branch_kv``).
 
-Only greedy requests whose logits nothing rewrites get branches
+Sampled acceptance (SpecInfer; Lookahead App. B, with one-hot drafts): where
+vLLM's rejection sampler rejected the spine's token at node ``n``, the token
+it drew instead comes from the residual distribution (the target's, the
+spine's token removed). The branch off node ``n`` whose first token is that
+token continues: each further branch token is accepted with the target's
+probability for it, the first rejected one is replaced by a draw from the
+residual without it, and a fully accepted branch gets a draw after its last
+token. Trying the distinct children of node ``n`` one after another, each
+accepted with its residual probability, picks child ``c`` with exactly the
+probability that the residual draw is ``c``, so the output keeps the
+target's distribution.
+
+Only requests whose sampling a branch reproduces exactly get branches
 (:func:`keeps_exact_with_branches`); the rest verify the spine alone.
 """
 
@@ -84,14 +96,14 @@ def grow_branches(
 
 
 def keeps_exact_with_branches(params: Any) -> bool:
-    """Whether argmax of a branch's raw logits is exactly what vLLM would sample.
+    """Whether a branch position's distribution is exactly the one vLLM samples from.
 
-    Greedy, and nothing that rewrites or reports logits (penalties, min_tokens,
-    bad words, logit bias, allowed tokens, structured output, logprobs)."""
-    from vllm.sampling_params import SamplingType
-
+    Greedy (the raw logits' argmax) or sampled with temperature, top-k and top-p
+    only (:func:`sampling_probs`), and nothing else that rewrites or reports
+    logits (min_p, penalties, min_tokens, bad words, logit bias, allowed tokens,
+    structured output, logprobs)."""
     return (
-        params.sampling_type == SamplingType.GREEDY
+        (not is_sampled(params) or params.min_p == 0.0)
         and params.logprobs is None
         and params.prompt_logprobs is None
         and params.presence_penalty == 0.0
@@ -211,3 +223,58 @@ def accept_greedy(
         row = sampled_row[:node].tolist() + tokens[:matches].tolist() + [bonus]
         best = (index, matches, row, node + matches)
     return None if best is None else best[:3]
+
+
+def is_sampled(params: Any) -> bool:
+    from vllm.sampling_params import SamplingType
+
+    return params.sampling_type != SamplingType.GREEDY
+
+
+def sampling_probs(logits: torch.Tensor, params: Any) -> torch.Tensor:
+    """The distribution vLLM's rejection sampler verifies a draft against, for rows
+    of one request: float32 logits / temperature, then top-k and top-p by vLLM's
+    own ``apply_top_k_top_p`` (``apply_sampling_constraints``), then softmax."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    rows = len(logits)
+    logits = logits.to(torch.float32) / params.temperature
+    vocab = logits.shape[-1]
+    top_k = torch.full((rows,), params.top_k, dtype=torch.int32, device=logits.device) \
+        if 0 < params.top_k < vocab else None
+    top_p = torch.full((rows,), params.top_p, dtype=torch.float32, device=logits.device) \
+        if params.top_p < 1.0 else None
+    return apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
+
+
+def accept_sampled(
+    sampled_row: np.ndarray,  # (K + 1,) vLLM's output for the spine, -1 padded
+    request: RequestBranches,
+    probs: torch.Tensor,  # (T, vocab) the target's distribution after each of the request's branch tokens
+    generator: torch.Generator | None,  # the request's own (seeded requests), else torch's default
+) -> tuple[int, int, list[int]] | None:
+    """The branch that continues where vLLM rejected the spine, if any: (branch index,
+    its accepted tokens, the request's new sampled tokens); see the module docstring.
+
+    Node ``n`` is where the spine stopped: ``sampled_row[n]`` is vLLM's draw from the
+    residual there (or, if the whole spine was accepted, its bonus draw, which no
+    branch follows: a branch is never deeper than the spine)."""
+    node = int((sampled_row != PLACEHOLDER).sum()) - 1
+    drawn = int(sampled_row[node])
+    for index, (branch, offset) in enumerate(zip(request.branches, request.offsets())):
+        if branch.node != node or branch.tokens[0] != drawn:
+            continue
+        matches = 1
+        while matches < len(branch.tokens):
+            target = probs[offset + matches - 1]
+            uniform = torch.rand((), generator=generator, device=target.device)
+            if uniform >= target[branch.tokens[matches]]:
+                break
+            matches += 1
+        target = probs[offset + matches - 1]
+        if matches < len(branch.tokens):  # rejected: draw from the residual without that token
+            target = target.clone()
+            target[branch.tokens[matches]] = 0.0
+        final = int(torch.multinomial(target, 1, generator=generator))
+        return index, matches, sampled_row[:node].tolist() + list(branch.tokens[:matches]) + [final]
+    return None

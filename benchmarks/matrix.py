@@ -20,7 +20,12 @@ machine whose speed drifts moves one method's cells against another's.
 
 A method is a built-in name (``none``, ``ngram``, ``suffix`` when
 arctic-inference is installed, ``fafo``, ``lookahead``, ``cacheback``) or ``LABEL=JSON`` for any
-speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``.
+speculative config, e.g. ``'fafo-k8={"method":"fafo","num_speculative_tokens":8}'``. Beside
+the speculative config the JSON may carry ``"env"`` (environment variables of that method's
+engine process) and ``"engine_args"`` (more ``LLM`` keyword arguments), and ``"method":
+"none"`` means no speculative decoding, e.g. plain vLLM on its V1 model runner with whole-step
+CUDA graphs: ``'none={"method":"none","env":{"VLLM_USE_V2_MODEL_RUNNER":"0"},
+"engine_args":{"compilation_config":{"cudagraph_mode":"FULL"}}}'``.
 
 Figures per cell: tau (decoded tokens / the forwards that gave each request tokens,
 counted per request; vLLM's own ratio, ``tau_vllm``, also counts drafts accepted past
@@ -133,6 +138,19 @@ def parse_method(text: str) -> tuple[str, dict | None]:
     return text, BUILTIN_METHODS[text]
 
 
+def engine_settings(config: dict | None) -> tuple[dict | None, dict[str, str], dict]:
+    """A method's JSON split into (speculative config or None, env, engine_args)."""
+    if config is None:
+        return None, {}, {}
+    spec = dict(config)
+    env, engine_args = spec.pop("env", {}), spec.pop("engine_args", {})
+    if spec.get("method") == "none":
+        if len(spec) > 1:
+            raise SystemExit(f"method 'none' takes no speculative settings, got {sorted(spec)}")
+        spec = None
+    return spec, {key: str(value) for key, value in env.items()}, engine_args
+
+
 def cell_path(out: Path, label: str, dataset: str, batch_size: int) -> Path:
     return out / "cells" / f"{label}__{dataset}__b{batch_size}.json"
 
@@ -236,7 +254,9 @@ def run_method_cells(args: argparse.Namespace) -> None:
     from vllm_fafo.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
     from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
-    label, spec = parse_method(args.child)
+    label, config = parse_method(args.child)
+    spec, env, engine_args = engine_settings(config)
+    os.environ.update(env)
     out = Path(args.out)
     todo = [
         (d, b) for d in args.datasets.split(",") for b in _ints(args.batch_sizes)
@@ -248,7 +268,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
         model, load_format = str(shaped_model_dir(args.shape)), "dummy"
     else:
         model, load_format = args.model or str(smollm2_dir()), "auto"
-    llm = LLM(
+    settings = dict(
         model=model,
         load_format=load_format,
         dtype=args.dtype,
@@ -261,6 +281,10 @@ def run_method_cells(args: argparse.Namespace) -> None:
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         speculative_config=spec,
     )
+    if clash := sorted(settings.keys() & engine_args.keys()):
+        raise SystemExit(f"method {label!r}: engine_args {clash} are set by matrix.py's own options")
+    llm = LLM(**settings, **engine_args)
+
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(["Warm-up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -303,7 +327,7 @@ def run_method_cells(args: argparse.Namespace) -> None:
         tokens = sum(map(len, token_ids))
         cell = {
             "method": label, "dataset": dataset, "batch_size": batch_size,
-            "config": spec, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "config": config, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "temperature": args.temperature, "profiled": args.profile,
             "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
             "tokens": tokens, "accepted": int(accepted),

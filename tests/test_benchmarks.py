@@ -19,7 +19,9 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     out = tmp_path / "bench"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "matrix.py"),
-        "--methods", "none,ngram,fafo", "--datasets", "mtbench,humaneval",
+        # plain vLLM given as LABEL=JSON, to run a method's engine_args through LLM()
+        "--methods", "ngram,fafo", "--method", 'none={"method":"none","engine_args":{"max_num_seqs":8}}',
+        "--datasets", "mtbench,humaneval",
         "--num-prompts", "2", "--max-tokens", "16", "--max-model-len", "1024",
         "--kv-cache-mib", "128", "--out", str(out),
     ]
@@ -223,6 +225,20 @@ def test_profile_report_counts_the_plugin_s_own_time_per_step(tmp_path):
     assert 0 < plugin_ms < total_ms
     assert "drafter propose (cumulative): 0.000" in text
     assert "pool.py" in text.split("== vllm_fafo's functions by cumulative")[1]
+
+
+def test_a_method_can_set_its_engine_s_environment_and_arguments():
+    matrix = _matrix_module()
+    label, config = matrix.parse_method(
+        'none-v1={"method":"none","env":{"VLLM_USE_V2_MODEL_RUNNER":0},'
+        '"engine_args":{"compilation_config":{"cudagraph_mode":"FULL"}}}')
+    assert label == "none-v1"
+    assert matrix.engine_settings(config) == (
+        None, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"compilation_config": {"cudagraph_mode": "FULL"}})
+    assert matrix.engine_settings({"method": "fafo", "num_lanes": 0}) == ({"method": "fafo", "num_lanes": 0}, {}, {})
+    assert matrix.engine_settings(None) == (None, {}, {})
+    with pytest.raises(SystemExit, match="method 'none' takes no speculative settings"):
+        matrix.engine_settings({"method": "none", "num_speculative_tokens": 4})
 
 
 def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):

@@ -14,6 +14,10 @@
 #   profile   the matrix under --profile on SmolLM2 (bf16, CUDA graphs): host ms per
 #             step in the plugin and in propose, and the GPU synchronisation sites, for
 #             plain, ngram and default fafo at batch 1 and 32
+#   graphs_ab whole-step CUDA graphs (cudagraph_mode FULL) against vLLM's default mode,
+#             plain vLLM and default fafo both on vLLM's V1 model runner (the one
+#             FAFO runs on), so each fafo cell's identity is checked against plain
+#             vLLM under the same runner and graph mode
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -83,6 +87,23 @@ profile() {
     (cd "$ROOT/results/profile/profiles" && tar -czf "$OUT/profile/profiles.tar.gz" .) || true
 }
 
+graphs_ab() {
+    mkdir -p "$OUT/graphs_ab"
+    outside_checkout benchmarks
+    local v1='"env":{"VLLM_USE_V2_MODEL_RUNNER":"0"}'
+    local full='"engine_args":{"compilation_config":{"cudagraph_mode":"FULL"}}'
+    for mode in default full; do
+        local extra=""
+        [ "$mode" = full ] && extra=",$full"
+        timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
+            --methods "" --method "none={\"method\":\"none\",$v1$extra}" \
+            --method "fafo={\"method\":\"fafo\"$extra}" \
+            --datasets mtbench --batch-sizes 1,32 --num-prompts 32 --max-tokens 128 \
+            --out "$ROOT/results/graphs_$mode" || true
+        cp "$ROOT/results/graphs_$mode/summary.md" "$OUT/graphs_ab/$mode.md" 2>/dev/null || true
+    done
+}
+
 bench_smollm2() {
     mkdir -p "$OUT/smollm2"
     outside_checkout benchmarks
@@ -119,9 +140,10 @@ for step in "$@"; do
         install) install ;;
         test) test_gpu ;;
         profile) profile ;;
+        graphs_ab) graphs_ab ;;
         bench_smollm2) bench_smollm2 ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test profile bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

@@ -1,7 +1,7 @@
 """Host time of one step's draft-tree branch attention, all layers, against torch SDPA.
 
 Draft-tree branches (vllm_fafo.tree) run their own attention in every layer:
-the request's context copied from vLLM's CPU paged cache block by block, then
+the request's blocks gathered whole from vLLM's CPU paged cache, then
 softmax over exactly the keys each branch token sees
 (``request_branch_attention``). This times that per step on synthetic caches
 shaped like a model's layers, next to the same attention through
@@ -29,7 +29,10 @@ SHAPES = {  # query heads, KV heads, head size, layers
 }
 
 
-def _sdpa(query, key, value, paged_key, paged_value, request, scale):
+def _sdpa(query, key, value, key_tiles, value_tiles, request, scale):
+    num_blocks, heads, dim, block_size = key_tiles.shape
+    paged_key = key_tiles.permute(1, 0, 3, 2).reshape(heads, num_blocks * block_size, dim)
+    paged_value = value_tiles.transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
     keys = torch.cat([paged_key[:, : request.num_paged], key.transpose(0, 1)], dim=1)
     values = torch.cat([paged_value[:, : request.num_paged], value.transpose(0, 1)], dim=1)
     out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=request.bias == 0,
@@ -53,8 +56,8 @@ def time_step(shape: str, context: int, branches: list[Branch], block_size: int,
 
     def step(attention) -> torch.Tensor:
         for _ in range(layers):
-            paged_key, paged_value = reader.read_prefix(0, request.num_paged)
-            out = attention(query, key, value, paged_key, paged_value, request, scale)
+            key_tiles, value_tiles = reader.read_tiles(0, request.num_paged)
+            out = attention(query, key, value, key_tiles, value_tiles, request, scale)
         return out
 
     results = {}

@@ -68,9 +68,13 @@ def assert_reader_returns(reader, batch_row, key, value, per_head):
     got_key, got_value = reader.read(batch_row, torch.arange(key.shape[0]))
     assert torch.equal(got_key, key) and torch.equal(got_value, value)
     for length in (1, 16, 17, key.shape[0]):
-        prefix_key, prefix_value = reader.read_prefix(batch_row, length)
-        assert torch.equal(prefix_key, key[:length].transpose(0, 1))
-        assert torch.equal(prefix_value, value[:length].transpose(0, 1))
+        key_tiles, value_tiles = reader.read_tiles(batch_row, length)  # (blocks, Hk, D, bs), (blocks, Hk, bs, D)
+        num_blocks, heads, dim, block_size = key_tiles.shape
+        assert num_blocks == -(-length // block_size)
+        prefix_key = key_tiles.permute(0, 3, 1, 2).reshape(num_blocks * block_size, heads, dim)
+        prefix_value = value_tiles.transpose(1, 2).reshape(num_blocks * block_size, heads, dim)
+        assert torch.equal(prefix_key[:length], key[:length])
+        assert torch.equal(prefix_value[:length], value[:length])
     got_key, got_value = reader.read(batch_row, per_head)
     for h in range(key.shape[1]):
         assert torch.equal(got_key[:, h], key[per_head[h], h])

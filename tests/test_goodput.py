@@ -289,3 +289,111 @@ def test_fixed_keeps_the_configured_sizes():
     assert fixed.choose_draft_lens(5, np.array([1, 2]), np.array([MAX_DRAFT, 2])).tolist() == [MAX_DRAFT, 2]
     with pytest.raises(ValueError, match="allowed: goodput, fixed"):
         make_controller("greedy", LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+
+
+@dataclass
+class TreeMachine:
+    """One request's spine accepted position by position with ``accept``; off the node
+    where it stops, the branch of rank r continues with probability ``first[r]`` (the
+    branches off a node start with distinct tokens: at most one does) and each further
+    branch token is accepted with ``further``."""
+
+    cost: Callable[[np.ndarray], np.ndarray]
+    accept: float
+    first: tuple[float, ...]
+    further: float
+    branch_len: int = 3
+    tree_overhead_ms: float = 0.0
+    """What a step with any branch costs on top of its tokens (the branches' own attention)."""
+
+
+def simulate_tree(machine: TreeMachine, controller, steps: int, keep_branches: bool | None = None,
+                  rng_seed: int = 0) -> tuple[float, list[int]]:
+    """Tokens per second over ``steps`` steps of one request with full-length spines and
+    every rank of branch off every spine node; ``keep_branches`` True / False pins all
+    or none of them (None: the controller chooses). Also the branch tokens per step."""
+    from vllm_fafo.goodput import BranchSet
+
+    rng = np.random.default_rng(rng_seed)
+    ranks = len(machine.first)
+    nodes = np.repeat(np.arange(MAX_DRAFT), ranks)
+    grown = BranchSet(owners=np.zeros(len(nodes), np.int64), nodes=nodes,
+                      ranks=np.tile(np.arange(ranks), MAX_DRAFT),
+                      lengths=np.minimum(MAX_DRAFT - nodes, machine.branch_len))
+    key_lens, tokens_out, seconds_total, tree_tokens = np.ones(1, np.int64), 0.0, 0.0, []
+    kept = grown.lengths
+    for _ in range(steps):
+        tree_tokens.append(int(kept.sum()))
+        seconds = float(machine.cost(1 + MAX_DRAFT + kept.sum())) + (kept.sum() > 0) * machine.tree_overhead_ms / 1000
+        accepted = min(rng.geometric(1 - machine.accept) - 1, MAX_DRAFT)
+        trials = (grown.nodes == accepted) & (kept > 0)
+        matches = np.zeros(len(kept), np.int64)
+        hit = np.flatnonzero(trials & (np.cumsum(machine.first)[grown.ranks] - np.array(machine.first)[grown.ranks]
+                                       <= (u := rng.random())) & (u < np.cumsum(machine.first)[grown.ranks]))
+        for index in hit:
+            matches[index] = min(rng.geometric(1 - machine.further), kept[index])
+        tokens_out += 1 + accepted + (matches.max() if len(hit) else 0)
+        seconds_total += seconds
+        controller.observe(StepOutcome(
+            tokens=1 + MAX_DRAFT + int(kept.sum()), seconds=seconds, lane_tokens=0, lane_accepted=0,
+            text_accepted=accepted, draft_lengths=np.array([MAX_DRAFT]), accepted_lengths=np.array([accepted]),
+            key_lens=key_lens, tree_tokens=int(kept.sum()), branch_ranks=grown.ranks[trials], branch_lengths=kept[trials],
+            branch_matches=matches[trials],
+        ))
+        if keep_branches is None:
+            kept = controller.choose_branches(1 + MAX_DRAFT, key_lens, np.array([MAX_DRAFT]), grown)
+        else:
+            kept = grown.lengths if keep_branches else np.zeros_like(grown.lengths)
+    return tokens_out / seconds_total, tree_tokens
+
+
+TREE_MACHINES = {
+    # tokens free up to the knee: every branch token that can be accepted is worth running
+    "gpu-like": TreeMachine(flat_then_rising(10.0, 256, 0.5), accept=0.5, first=(0.4, 0.2, 0.1), further=0.6),
+    # each token costs a fifteenth of a step: only the likeliest branch token pays
+    "cpu-like": TreeMachine(linear(10.0, 1.0), accept=0.5, first=(0.4, 0.2, 0.1), further=0.6),
+    # tokens free, but a step with branches costs 1.5 ms more: the tree pays
+    "gpu-like, tree overhead": TreeMachine(flat_then_rising(10.0, 256, 0.5), accept=0.5, first=(0.4, 0.2, 0.1),
+                                           further=0.6, tree_overhead_ms=1.5),
+    # ... but not where it is 80 % of a step
+    "gpu-like, tree overhead too high": TreeMachine(flat_then_rising(10.0, 256, 0.5), accept=0.5,
+                                                    first=(0.4, 0.2, 0.1), further=0.6, tree_overhead_ms=8.0),
+    # branches that are never right, and every token past the spine costs
+    "useless": TreeMachine(flat_then_rising(10.0, 1 + MAX_DRAFT, 0.5), accept=0.5, first=(0.0, 0.0, 0.0), further=0.0),
+}
+
+
+def test_branch_yields_are_learned_per_rank_off_the_node_where_the_spine_stopped():
+    estimates = YieldEstimates(max_draft=4, max_key_len=1, decay=1.0)
+    none = np.zeros(0, np.int64)
+    estimates.observe(StepOutcome(tokens=9, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
+                                  draft_lengths=none, accepted_lengths=none, key_lens=none,
+                                  branch_ranks=np.array([0, 0, 1]), branch_lengths=np.array([3, 2, 2]),
+                                  branch_matches=np.array([3, 1, 0])))
+    prior = estimates.branch_prior
+    rank0 = [(2 + prior) / 3]  # position 1: 2 trials, 2 hits; then 2 trials 1 hit; then 1 trial 1 hit
+    rank0 += [(1 + rank0[0]) / 3]
+    rank0 += [(1 + rank0[1]) / 2, rank0[1] / 2 + 0.0]
+    rank0[3] = rank0[2]  # position 4: untried, judged like position 3
+    rank1_first = (0 + prior) / 2
+    got = estimates.branch_reach_probability()
+    np.testing.assert_allclose(got[0], np.cumprod(rank0))
+    np.testing.assert_allclose(got[1, 0], rank1_first)
+    np.testing.assert_allclose(got[2], np.full(4, prior) ** np.arange(1, 5))  # a rank never tried
+
+
+@pytest.mark.parametrize("name", list(TREE_MACHINES))
+def test_branch_tokens_follow_what_they_earn_against_what_they_cost(name):
+    machine = TREE_MACHINES[name]
+    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+    got, tree_tokens = simulate_tree(machine, controller, 2000)
+    grown = simulate_tree(machine, GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN), 1, keep_branches=True)[1][0]
+    typical = np.median(tree_tokens[500:])
+    if name in ("gpu-like", "gpu-like, tree overhead"):
+        assert typical == grown  # under the knee every branch runs
+    elif name == "cpu-like":
+        assert 0 < typical < grown / 2  # the likeliest few
+    else:  # only the prior's occasional retries
+        assert np.mean(np.array(tree_tokens[500:]) > 0) < 0.1
+    best = max(simulate_tree(machine, FixedController(MAX_DRAFT), 2000, keep_branches=keep)[0] for keep in (False, True))
+    assert got >= 0.95 * best

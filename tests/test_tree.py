@@ -10,7 +10,15 @@ import torch
 from vllm_fafo.attention.branch_attention import request_branch_attention
 from vllm_fafo.config import FafoConfig, FafoConfigError
 from vllm_fafo.pool import NgramPool, Origin
-from vllm_fafo.tree import PLACEHOLDER, Branch, accept_greedy, branch_positions, grow_branches, layout_request
+from vllm_fafo.tree import (
+    PLACEHOLDER,
+    Branch,
+    accept_greedy,
+    branch_positions,
+    greedy_matches,
+    grow_branches,
+    layout_request,
+)
 
 
 def test_branches_take_other_first_tokens_node_by_node_within_the_spine_and_budget():
@@ -22,7 +30,7 @@ def test_branches_take_other_first_tokens_node_by_node_within_the_spine_and_budg
     pool.add([2, 3], (12, 13, 14, 15), Origin.OUTPUT)  # off spine node 1 (after token 3)
     spine = [3, 4, 5]
     branches = grow_branches([pool], [0, 1, 2], spine, max_branches=8, max_tokens=64)
-    assert branches == [Branch(0, (6, 9, 9)), Branch(0, (10, 11)), Branch(1, (12, 13))]
+    assert branches == [Branch(0, (6, 9, 9), rank=0), Branch(0, (10, 11), rank=1), Branch(1, (12, 13), rank=0)]
     firsts = [(b.node, b.tokens[0]) for b in branches]
     assert len(set(firsts)) == len(firsts)  # one branch per (node, first token)
     assert all(first != spine[node] for node, first in firsts)
@@ -44,6 +52,16 @@ def _dense_reference(q, k, v, visible_keys, scale):
     return out
 
 
+def _as_tiles(keys: torch.Tensor, values: torch.Tensor, block_size: int, gen: torch.Generator):
+    """(n, Hk, D) keys and values as paged blocks (keys (blocks, Hk, D, block_size),
+    values (blocks, Hk, block_size, D)), the last block's unused slots random."""
+    n, hk, d = keys.shape
+    padded = -(-n // block_size) * block_size
+    keys = torch.cat([keys, torch.randn(padded - n, hk, d, generator=gen)]).view(-1, block_size, hk, d)
+    values = torch.cat([values, torch.randn(padded - n, hk, d, generator=gen)]).view(-1, block_size, hk, d)
+    return keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)
+
+
 @pytest.mark.parametrize("x_position", [0, 5, 17])
 def test_branch_attention_matches_dense_reference(x_position):
     gen = torch.Generator().manual_seed(x_position)
@@ -57,7 +75,7 @@ def test_branch_attention_matches_dense_reference(x_position):
     k, v = torch.randn(t, hk, d, generator=gen), torch.randn(t, hk, d, generator=gen)
     paged_k, paged_v = torch.randn(context, hk, d, generator=gen), torch.randn(context, hk, d, generator=gen)
     scale = d ** -0.5
-    got = request_branch_attention(q, k, v, paged_k.transpose(0, 1), paged_v.transpose(0, 1), request, scale)
+    got = request_branch_attention(q, k, v, *_as_tiles(paged_k, paged_v, block_size=4, gen=gen), request, scale)
     all_k, all_v = torch.cat([paged_k, k]), torch.cat([paged_v, v])
     visible, token = [], 0
     positions = branch_positions(request)
@@ -109,7 +127,7 @@ def test_greedy_acceptance_is_the_longest_accepted_root_to_leaf_path():
                 path = spine_row[: branch.node] + _greedy_path(text + spine[: branch.node], branch.tokens)
                 if len(path) > len(best):
                     best = path
-        got = accept_greedy(row, request, argmax)
+        got = accept_greedy(row, request, greedy_matches(row, request, argmax), argmax)
         if best is spine_row:
             assert got is None
         else:

@@ -49,6 +49,10 @@ import numpy as np
 
 CONTROLLERS = ("goodput", "fixed")
 
+BRANCH_RANKS = 8
+"""Branch ranks (place among the branches off one node) with their own yields; higher
+ranks share the last row."""
+
 _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
 """Token counts the cost model keeps a mean for: 1 .. 131072, about 4 per doubling."""
 
@@ -115,7 +119,7 @@ class StepCostModel:
 class StepOutcome:
     """What one step cost and earned, as the proposer saw it."""
 
-    tokens: int  # in the forward: real + drafts + lanes
+    tokens: int  # in the forward: real + drafts + lanes + branches
     seconds: float  # from the start of the step to the end of proposing
     lane_tokens: int
     lane_accepted: int  # accepted tokens whose candidate a lane filed
@@ -123,6 +127,11 @@ class StepOutcome:
     draft_lengths: np.ndarray  # the verified drafts, one entry per decoding request
     accepted_lengths: np.ndarray  # their accepted prefixes
     key_lens: np.ndarray  # length of the key each verified draft was found under (0: none)
+    tree_tokens: int = 0  # draft-tree branch tokens in the forward
+    # draft-tree branches off the node where their spine stopped, one entry each:
+    branch_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # place among siblings
+    branch_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens
+    branch_matches: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens accepted
 
 
 @dataclass
@@ -151,11 +160,20 @@ class YieldEstimates:
     """Decayed drafts that reached each position, by matched key length."""
     position_hits: np.ndarray = field(init=False)
     """Decayed drafts whose token at each position was accepted, by matched key length."""
+    branch_prior: float = 0.5
+    """A branch's first token's rate before any branch ran (one pseudo-trial): optimistic,
+    so branches are tried; the evidence soon outweighs it."""
+    branch_trials: np.ndarray = field(init=False)
+    """Decayed branches off the node where their spine stopped that reached each of
+    their positions, by rank among their siblings."""
+    branch_hits: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         shape = (self.max_key_len + 1, self.max_draft)  # by matched key length, then position
         self.position_trials = np.zeros(shape)
         self.position_hits = np.zeros(shape)
+        self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
+        self.branch_hits = np.zeros((BRANCH_RANKS, self.max_draft))
 
     def observe(self, outcome: StepOutcome) -> None:
         d = self.decay
@@ -171,6 +189,13 @@ class YieldEstimates:
         self.position_hits *= d
         np.add.at(self.position_trials, key_lens, (drafted >= positions) & (accepted >= positions - 1))
         np.add.at(self.position_hits, key_lens, accepted >= positions)
+        ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
+        lengths = np.asarray(outcome.branch_lengths)[:, None]
+        matches = np.asarray(outcome.branch_matches)[:, None]
+        self.branch_trials *= d
+        self.branch_hits *= d
+        np.add.at(self.branch_trials, ranks, (lengths >= positions) & (matches >= positions - 1))
+        np.add.at(self.branch_hits, ranks, matches >= positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -211,6 +236,18 @@ class YieldEstimates:
                                weight=1.0)
         return np.cumprod(by_key, axis=1)[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
 
+    def branch_reach_probability(self) -> np.ndarray:
+        """(BRANCH_RANKS, max_draft): P(a branch's tokens 1..i all accepted | its spine
+        stopped at the branch's node), by the branch's rank among its siblings.
+
+        Continuation rates as for drafts, the first position smoothed towards
+        ``branch_prior`` and each later one towards the position before it (one
+        pseudo-trial each). With branches off, the trials decay and the rates drift
+        back to the prior, so branches are tried again now and then."""
+        rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
+                              weight=1.0)
+        return np.cumprod(rates, axis=1)
+
 
 def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weight: float) -> np.ndarray:
     """Per row, (hits + weight x prior) / (trials + weight) at each position, the prior
@@ -230,12 +267,23 @@ def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
             + np.reshape(first_prior, (-1, 1)) * np.exp(log_kept))
 
 
+@dataclass(frozen=True)
+class BranchSet:
+    """The draft-tree branches grown for the next step, one entry per branch."""
+
+    owners: np.ndarray  # index of its request among the decoding requests
+    nodes: np.ndarray  # the spine node it hangs off
+    ranks: np.ndarray  # its place among the branches off that node
+    lengths: np.ndarray  # its tokens
+
+
 @dataclass
 class Decision:
     lanes: int
     draft_len: int  # the longest draft of the last step
     mean_draft_len: float = 0.0
     probe: bool = False
+    tree_tokens: int = 0  # branch tokens the last step planned, all requests together
 
 
 class FixedController:
@@ -254,6 +302,11 @@ class FixedController:
     def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
         """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
         return np.asarray(available, dtype=np.int64)
+
+    def choose_branches(self, step_tokens: int, key_lens: np.ndarray, spine_lens: np.ndarray,
+                        branches: BranchSet) -> np.ndarray:
+        """Every branch as grown (``num_candidates`` and ``max_tree_tokens`` bound them)."""
+        return np.asarray(branches.lengths, dtype=np.int64)
 
     def observe(self, outcome: StepOutcome) -> None:
         return None
@@ -283,6 +336,8 @@ class GoodputController:
         self.yields = YieldEstimates(max_draft, max_key_len, decay)
         self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
         self._draft_probe = _Probe(probe_interval, max_probe_interval)
+        self.tree_cost = StepCostModel()
+        """Seconds per step against tokens, of steps with draft-tree branches."""
         self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------
@@ -351,9 +406,51 @@ class GoodputController:
         self.last.mean_draft_len = float(lengths.mean())
         return lengths
 
+    def choose_branches(self, step_tokens: int, key_lens: np.ndarray, spine_lens: np.ndarray,
+                        branches: BranchSet) -> np.ndarray:
+        """Tokens to keep of each grown branch for the next step (a prefix of it, 0 drops
+        it): the branch tokens most likely to be accepted, as many as maximise expected
+        accepted tokens per second on top of the spines already chosen.
+
+        ``key_lens`` and ``spine_lens``: every decoding request's draft (the spines),
+        ``step_tokens``: the next step's tokens with the spines. A branch off node j
+        pays only where its spine stops exactly at j, so its token i is worth
+        P(spine stops at j) x P(branch tokens 1..i accepted | that), the first from
+        the spine's reach probabilities, the second learned per rank. A step with
+        branches is priced by the curve of steps with branches (the plain curve until
+        one ran). Where tokens cost next to nothing (a GPU below its knee) whole trees run;
+        elsewhere only branches whose worth beats their cost, or none."""
+        lengths = np.asarray(branches.lengths, dtype=np.int64)
+        if not len(lengths) or not self.cost.has_data:  # a step without branches first
+            return np.zeros_like(lengths)
+        reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
+        spine_lens = np.asarray(spine_lens, dtype=np.int64)
+        spine_worth = np.where(np.arange(self.max_draft) < spine_lens[:, None], reach, 0.0).sum()
+        reached = np.concatenate([np.ones((len(reach), 1)), reach], axis=1)  # P(first j accepted), j = 0..
+        stops = reached[:, :-1] - reached[:, 1:]  # P(exactly j accepted), j < the spine's length
+        token_branch = np.repeat(np.arange(len(lengths)), lengths)
+        depth = np.arange(len(token_branch)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        ranks = np.minimum(np.asarray(branches.ranks, dtype=np.int64), BRANCH_RANKS - 1)
+        owners, nodes = np.asarray(branches.owners), np.asarray(branches.nodes)
+        worth = (stops[owners[token_branch], nodes[token_branch]]
+                 * self.yields.branch_reach_probability()[ranks[token_branch], depth])
+        order = np.argsort(-worth, kind="stable")  # ties: shallower first, so each branch keeps a prefix
+        gains = len(spine_lens) + spine_worth + np.concatenate([[0.0], np.cumsum(worth[order])])
+        with_tree = self.tree_cost if self.tree_cost.has_data else self.cost  # untried: priced as tokens
+        seconds = np.concatenate([self.cost.predict([step_tokens]),
+                                  with_tree.predict(step_tokens + np.arange(1, len(order) + 1))])
+        rates = gains / seconds
+        best = int(rates.argmax())
+        self.last.tree_tokens = best
+        return np.bincount(token_branch[order[:best]], minlength=len(lengths))
+
     # Learning --------------------------------------------------------------------------
     def observe(self, outcome: StepOutcome) -> None:
-        self.cost.observe(outcome.tokens, outcome.seconds)
+        """Steps without branches teach the cost curve, steps with branches the tree's
+        own: branch attention is the plugin's, not vLLM's kernel, and costs a fixed
+        amount per layer and step that one curve over token counts could not tell
+        from the price of the tokens."""
+        (self.tree_cost if outcome.tree_tokens else self.cost).observe(outcome.tokens, outcome.seconds)
         self.yields.observe(outcome)
 
     def summary(self) -> dict:
@@ -363,6 +460,10 @@ class GoodputController:
             "lanes": self.last.lanes,
             "draft_len": self.last.draft_len,
             "mean_draft_len": round(self.last.mean_draft_len, 3),
+            "tree_tokens": self.last.tree_tokens,
+            "tree_cost_curve_tokens": self.tree_cost.curve()[0].round(1).tolist(),
+            "tree_cost_curve_ms": (1000 * self.tree_cost.curve()[1]).round(3).tolist(),
+            "branch_first_token_rate": self.yields.branch_reach_probability()[:, 0].round(4).tolist(),
             "lane_yield": self.yields.lane_yield(),
             "tokens_per_request": self.yields.tokens_per_request(),
             "reach_probability": self.yields.reach_probability().round(4).tolist(),

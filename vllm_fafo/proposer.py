@@ -43,7 +43,7 @@ from vllm_fafo.attention.paged_kv import paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
-from vllm_fafo.goodput import StepOutcome, make_controller
+from vllm_fafo.goodput import BranchSet, StepOutcome, make_controller
 from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.metrics_export import SnapshotPublisher
@@ -59,10 +59,12 @@ from vllm_fafo.tree import (
     accept_greedy,
     accept_sampled,
     branch_positions,
+    greedy_matches,
     grow_branches,
     is_sampled,
     layout_request,
     sampling_probs,
+    stop_node,
 )
 
 logger = init_logger(__name__)
@@ -214,6 +216,9 @@ class FafoStep:
     """Sampled requests: the target's distribution after each of their branch tokens."""
     branch_wins: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Requests whose branch beat the spine: (spine tokens, branch tokens) accepted."""
+    branch_trials: list[tuple[int, int, int]] = field(default_factory=list)
+    """(rank, tokens, tokens accepted) of each branch off the node where its spine
+    stopped: what the controller learns branch yields from."""
     tree_eligible: frozenset[str] = frozenset()
     """Requests whose sampling a branch can reproduce exactly (vllm_fafo.tree)."""
     tail_written: bool = False
@@ -386,18 +391,26 @@ class FafoProposer:
         for request in plan.requests:
             first = request.start - plan.first_token
             probs = step.branch_probs.get(request.req_id)
+            row = rows[request.batch_row]
             if probs is None:
                 argmax = step.branch_argmax[first : first + request.num_tokens]
-                win = accept_greedy(rows[request.batch_row], request, argmax)
+                matches = greedy_matches(row, request, argmax)
+                win = accept_greedy(row, request, matches, argmax)
             else:
-                win = accept_sampled(rows[request.batch_row], request, probs, generators.get(request.batch_row))
+                win = accept_sampled(row, request, probs, generators.get(request.batch_row))
+                matches = np.zeros(len(request.branches), dtype=np.int64)
+                if win is not None:
+                    matches[win[0]] = win[1]
+            stopped = stop_node(row)
+            step.branch_trials.extend((branch.rank, len(branch.tokens), int(count))
+                                      for branch, count in zip(request.branches, matches) if branch.node == stopped)
             if win is None:
                 continue
             index, matches, tokens = win
             branch = request.branches[index]
-            row = np.full(rows.shape[1], PLACEHOLDER, dtype=rows.dtype)
-            row[: len(tokens)] = tokens
-            sampled_token_ids[request.batch_row] = torch.from_numpy(row).to(sampled_token_ids.device)
+            new_row = np.full(rows.shape[1], PLACEHOLDER, dtype=rows.dtype)
+            new_row[: len(tokens)] = tokens
+            sampled_token_ids[request.batch_row] = torch.from_numpy(new_row).to(sampled_token_ids.device)
             source = first + request.offsets()[index] + torch.arange(matches)
             positions = request.x_position + branch.node + 1 + torch.arange(matches)
             for reader, key, value in plan.kv_stash:
@@ -536,7 +549,34 @@ class FafoProposer:
                     state.pools, context, drafts[row], self.config.num_candidates - 1,
                     self.config.tree_tokens - len(drafts[row]),
                 )
+        if self.tree_enabled:
+            self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), [state for state, *_ in found],
+                                lengths)
         return drafts
+
+    def _size_branches(self, step_tokens: int, states: list[RequestState], spine_lens: np.ndarray) -> None:
+        """Cut the branches just grown to what the controller says pays next step
+        (``step_tokens``: its tokens with the spines; ``states``: the decoding requests,
+        with their spine lengths)."""
+        owners, nodes, ranks, branch_lens = [], [], [], []
+        for owner, state in enumerate(states):
+            for branch in state.branches:
+                owners.append(owner)
+                nodes.append(branch.node)
+                ranks.append(branch.rank)
+                branch_lens.append(len(branch.tokens))
+        if not owners:
+            return
+        kept = iter(self.controller.choose_branches(
+            step_tokens, np.array([state.last_key_len for state in states], dtype=np.int64), spine_lens,
+            BranchSet(*(np.array(values, dtype=np.int64) for values in (owners, nodes, ranks, branch_lens))),
+        ).tolist())
+        for state in states:
+            grown, state.branches = state.branches, []
+            for branch in grown:
+                keep = next(kept)
+                if keep:
+                    state.branches.append(Branch(branch.node, branch.tokens[:keep], branch.rank))
 
     def _plan_branches(self, batch: BatchView, start: int) -> BranchPlan | None:
         """Lay out the branches grown last step behind the tail, for the requests whose
@@ -581,6 +621,7 @@ class FafoProposer:
         seconds = time.perf_counter() - step.started
         if self._step_time is not None:
             seconds = self._step_time.share(seconds)
+        trials = np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3)
         self.controller.observe(StepOutcome(
             tokens=step.num_scheduled_tokens + step.tail_tokens,
             seconds=seconds,
@@ -590,6 +631,10 @@ class FafoProposer:
             draft_lengths=drafted,
             accepted_lengths=accepted,
             key_lens=key_lens,
+            tree_tokens=0 if step.branches is None else step.branches.num_tokens,
+            branch_ranks=trials[:, 0],
+            branch_lengths=trials[:, 1],
+            branch_matches=trials[:, 2],
         ))
         now = time.monotonic()
         if self.publisher is not None and self.publisher.is_due(now):

@@ -58,6 +58,9 @@ class Branch:
 
     node: int
     tokens: tuple[int, ...]
+    rank: int = 0
+    """Its place among the branches off the same node, in the order they were found
+    (0: the likeliest); the goodput controller learns yields per rank."""
 
 
 def grow_branches(
@@ -89,8 +92,8 @@ def grow_branches(
             if candidate[0] in taken:
                 continue
             tokens = candidate[: min(room, budget)]
+            branches.append(Branch(node, tokens, rank=len(taken) - 1))
             taken.add(tokens[0])
-            branches.append(Branch(node, tokens))
             budget -= len(tokens)
     return branches
 
@@ -196,33 +199,53 @@ def branch_positions(request: RequestBranches) -> np.ndarray:
     ])
 
 
-def accept_greedy(
+def stop_node(sampled_row: np.ndarray) -> int:
+    """The spine node where verification stopped: the number of spine tokens vLLM accepted."""
+    return int((sampled_row != PLACEHOLDER).sum()) - 1
+
+
+def greedy_matches(
     sampled_row: np.ndarray,  # (K + 1,) vLLM's greedy output for the spine, -1 padded
     request: RequestBranches,
     branch_argmax: np.ndarray,  # (T,) target argmax after each of the request's branch tokens
-) -> tuple[int, int, list[int]] | None:
-    """The best branch if it beats the spine: (branch index, its accepted tokens,
-    the request's new sampled tokens).
+) -> np.ndarray:
+    """Tokens of each branch the target accepts, in order (0 off a node the spine did
+    not reach).
 
     Under greedy decoding vLLM's row is the target's argmax after each accepted
     spine token, so the target's choice at spine node j is ``sampled_row[j]``
-    for every node the spine reached."""
-    spine_accepted = int((sampled_row != PLACEHOLDER).sum()) - 1
-    best = None
+    for every node the spine reached. (A branch off a node before the stop node
+    starts with another token than the spine's accepted one there, so only the
+    branches off the stop node can match.)"""
+    reached = stop_node(sampled_row)
+    matches = np.zeros(len(request.branches), dtype=np.int64)
     for index, (branch, offset) in enumerate(zip(request.branches, request.offsets())):
-        node = branch.node
-        if node > spine_accepted:
+        if branch.node > reached:
             continue
         tokens = np.asarray(branch.tokens)
         # branch token i is accepted when the target's choice before it is that token
-        before = np.concatenate([[sampled_row[node]], branch_argmax[offset : offset + len(tokens) - 1]])
-        matches = int(np.cumprod(tokens == before).sum())
-        if matches == 0 or node + matches <= (spine_accepted if best is None else best[3]):
-            continue
-        bonus = int(branch_argmax[offset + matches - 1])
-        row = sampled_row[:node].tolist() + tokens[:matches].tolist() + [bonus]
-        best = (index, matches, row, node + matches)
-    return None if best is None else best[:3]
+        before = np.concatenate([[sampled_row[branch.node]], branch_argmax[offset : offset + len(tokens) - 1]])
+        matches[index] = int(np.cumprod(tokens == before).sum())
+    return matches
+
+
+def accept_greedy(
+    sampled_row: np.ndarray,  # (K + 1,) vLLM's greedy output for the spine, -1 padded
+    request: RequestBranches,
+    matches: np.ndarray,  # (branches,) from :func:`greedy_matches`
+    branch_argmax: np.ndarray,  # (T,) target argmax after each of the request's branch tokens
+) -> tuple[int, int, list[int]] | None:
+    """The branch that gets furthest, if it beats the spine: (branch index, its
+    accepted tokens, the request's new sampled tokens)."""
+    if not matches.any():
+        return None
+    reach = np.where(matches > 0, np.array([branch.node for branch in request.branches]) + matches, -1)
+    index = int(reach.argmax())
+    if reach[index] <= stop_node(sampled_row):
+        return None
+    branch, count = request.branches[index], int(matches[index])
+    bonus = int(branch_argmax[request.offsets()[index] + count - 1])
+    return index, count, sampled_row[: branch.node].tolist() + list(branch.tokens[:count]) + [bonus]
 
 
 def is_sampled(params: Any) -> bool:
@@ -259,7 +282,7 @@ def accept_sampled(
     Node ``n`` is where the spine stopped: ``sampled_row[n]`` is vLLM's draw from the
     residual there (or, if the whole spine was accepted, its bonus draw, which no
     branch follows: a branch is never deeper than the spine)."""
-    node = int((sampled_row != PLACEHOLDER).sum()) - 1
+    node = stop_node(sampled_row)
     drawn = int(sampled_row[node])
     for index, (branch, offset) in enumerate(zip(request.branches, request.offsets())):
         if branch.node != node or branch.tokens[0] != drawn:

@@ -4,7 +4,7 @@ A branch token at spine node ``j`` sees paged positions ``0..x+j`` (vLLM wrote
 this step's spine tokens before the layer's attention ran) and the earlier
 tokens of its own branch, nothing else: softmax over exactly those keys, with
 the bias built once per step (:func:`vllm_fafo.tree.layout_request`), one
-call per request and layer, over the request's pages copied block by block. The layer's branch keys and values are kept
+call per request and layer, over the request's pages gathered whole. The layer's branch keys and values are kept
 on the plan, so an accepted branch's KV can be copied into the paged cache
 once sampling is done (:mod:`vllm_fafo.tree`).
 """
@@ -12,6 +12,7 @@ once sampling is done (:mod:`vllm_fafo.tree`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.tree import BranchPlan, RequestBranches
@@ -21,8 +22,8 @@ def request_branch_attention(
     query: torch.Tensor,  # (T, Hq, D) the request's branch queries
     key: torch.Tensor,  # (T, Hk, D)
     value: torch.Tensor,
-    paged_key: torch.Tensor,  # (Hk, V, D) paged positions 0..V-1, V >= request.num_paged
-    paged_value: torch.Tensor,
+    key_tiles: torch.Tensor,  # (blocks, Hk, D, block_size) pages holding positions 0..num_paged-1 and on
+    value_tiles: torch.Tensor,  # (blocks, Hk, block_size, D)
     request: RequestBranches,
     scale: float,
 ) -> torch.Tensor:
@@ -30,20 +31,23 @@ def request_branch_attention(
 
     Written out (batched matmuls per KV head, its query heads stacked) rather
     than through torch SDPA, which on CPU at these sizes (a few queries, a few
-    hundred keys, GQA, a mask) took about three times as long. Scores and
-    softmax in float32."""
+    hundred keys, GQA, a mask) took about three times as long; and against the
+    pages as they lie (one matmul per block, broadcast over the blocks), not a
+    copy of the context laid end to end. Scores and softmax in float32."""
     tokens, query_heads, dim = query.shape
-    kv_heads = key.shape[1]
+    num_blocks, kv_heads, _, block_size = key_tiles.shape
     group = query_heads // kv_heads
-    paged = slice(0, request.num_paged)
+    paged, padded = request.num_paged, num_blocks * block_size
     # query head h attends with KV head h // group
     q = query.float().reshape(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, dim)
-    own_key, own_value = key.float().transpose(0, 1), value.float().transpose(0, 1)  # (Hk, T, D)
-    paged_k, paged_v = paged_key[:, paged].float(), paged_value[:, paged].float()
-    scores = torch.cat([torch.bmm(q, paged_k.transpose(1, 2)), torch.bmm(q, own_key.transpose(1, 2))], dim=2)
-    scores = scores.view(kv_heads, group, tokens, -1) * scale + request.bias
+    paged_scores = torch.matmul(q, key_tiles.float())  # (blocks, Hk, G*T, block_size)
+    paged_scores = paged_scores.permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, padded)[..., :paged]
+    own_scores = torch.bmm(q, key.float().permute(1, 2, 0))  # (Hk, G*T, T)
+    scores = torch.cat([paged_scores, own_scores], dim=2).view(kv_heads, group, tokens, -1) * scale + request.bias
     probs = torch.softmax(scores, dim=-1).view(kv_heads, group * tokens, -1)
-    out = torch.bmm(probs[..., : request.num_paged], paged_v) + torch.bmm(probs[..., request.num_paged :], own_value)
+    paged_probs = F.pad(probs[..., :paged], (0, padded - paged)).view(kv_heads, group * tokens, num_blocks, block_size)
+    out = (torch.matmul(paged_probs.permute(2, 0, 1, 3), value_tiles.float()).sum(dim=0)
+           + torch.bmm(probs[..., paged:], value.float().transpose(0, 1)))
     return out.view(kv_heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, query_heads, dim)
 
 
@@ -59,9 +63,9 @@ def run_branches(
     """Write every branch token's attention output; stash this layer's branch KV."""
     for request in plan.requests:
         rows = request.tokens
-        paged_key, paged_value = reader.read_prefix(request.batch_row, request.num_paged)
+        key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
         output[rows] = request_branch_attention(
-            query[rows], key[rows], value[rows], paged_key.to(key.dtype), paged_value.to(value.dtype),
+            query[rows], key[rows], value[rows], key_tiles.to(key.dtype), value_tiles.to(value.dtype),
             request, scale,
         ).to(output.dtype)
     span = slice(plan.first_token, plan.first_token + plan.num_tokens)

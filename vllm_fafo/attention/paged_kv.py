@@ -68,12 +68,14 @@ class PagedKVReader(ABC):
         keys, values = self._gather(blocks, heads, offsets)  # (Hk, n, D) each
         return keys.transpose(0, 1), values.transpose(0, 1)
 
-    def read_prefix(self, batch_row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (Hk, length, D) of positions ``0..length-1``, copied block by
-        block (whole tiles, no per-position index): a draft-tree branch's context."""
+    def read_tiles(self, batch_row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks holding positions ``0..length-1``, whole: keys as (blocks, Hk, D,
+        block_size) and values as (blocks, Hk, block_size, D), block i holding positions
+        ``i * block_size ..``. One gather of whole blocks, no per-position index and
+        no transposing copy (keys come as the matmul's right-hand side, q @ k^T): a
+        draft-tree branch's context (the caller masks positions past ``length``)."""
         num_blocks = -(-length // self._block_size)
-        keys, values = self._blocks(self._block_table[batch_row, :num_blocks].long())
-        return keys[:, :length], values[:, :length]
+        return self._blocks(self._block_table[batch_row, :num_blocks].long())
 
     def write(self, batch_row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` (n, Hk, D) at ``positions`` of the request's pages
@@ -90,7 +92,8 @@ class PagedKVReader(ABC):
 
     @abstractmethod
     def _blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (Hk, len(blocks) * block_size, D) of whole blocks, in order."""
+        """Keys (len(blocks), Hk, D, block_size) and values (len(blocks), Hk, block_size,
+        D) of whole blocks, in order."""
 
     @abstractmethod
     def _scatter(self, blocks, heads, offsets, keys, values) -> None:
@@ -120,10 +123,7 @@ class LogicalPagedKV(PagedKVReader):
         return self._keys[blocks, heads, offsets], self._values[blocks, heads, offsets]
 
     def _blocks(self, blocks):
-        num_blocks, heads, block_size, dim = len(blocks), self._num_kv_heads, self._block_size, self._keys.shape[-1]
-        keys = self._keys[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
-        values = self._values[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
-        return keys, values
+        return self._keys[blocks].transpose(2, 3), self._values[blocks]
 
     def _scatter(self, blocks, heads, offsets, keys, values):
         self._keys[blocks, heads, offsets] = keys.to(self._keys.dtype)
@@ -161,11 +161,8 @@ class CPUPagedKV(PagedKVReader):
         return self._keys[blocks, heads, :, offsets], self._values[blocks, heads, offsets]
 
     def _blocks(self, blocks):
-        num_blocks, heads, block_size, dim = len(blocks), self._num_kv_heads, self._block_size, self._values.shape[-1]
-        # key tiles are D x block_size: (blocks, Hk, D, bs) -> (Hk, blocks, bs, D)
-        keys = self._keys[blocks].permute(1, 0, 3, 2).reshape(heads, num_blocks * block_size, dim)
-        values = self._values[blocks].transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
-        return keys, values
+        # key tiles are already D x block_size
+        return self._keys.index_select(0, blocks), self._values.index_select(0, blocks)
 
     def _scatter(self, blocks, heads, offsets, keys, values):
         self._keys[blocks, heads, :, offsets] = keys.to(self._keys.dtype)

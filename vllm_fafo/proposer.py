@@ -15,7 +15,7 @@ points of vLLM's step where the information exists; in order:
    positions: the tail's are written behind the real tokens.
    With a draft tree (``num_candidates`` > 1) the branches grown last step
    ride behind the lanes (:meth:`~FafoProposer.branch_plan`); after the
-   forward :meth:`~FafoProposer.read_branch_logits` takes the target's
+   forward :meth:`~FafoProposer.take_branch_logits` takes the target's
    choices at the branch tokens and, once vLLM sampled the spines,
    :meth:`~FafoProposer.accept_branches` swaps in a branch that got further.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
@@ -361,21 +361,26 @@ class FafoProposer:
         positions = np.concatenate([p.tail_positions if p is step.plan else p.positions for p in parts])
         return ids, positions
 
-    def read_branch_logits(self, hidden_states: torch.Tensor, compute_logits,
-                           sampling_params_of: Callable[[str], Any]) -> None:
-        """4b. The forward ran: the target's choice after each branch token (greedy
-        requests), or its distribution there (sampled ones)."""
+    def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """4b. The forward ran: its hidden states at this step's branch tokens, while the
+        target's choices there are not taken yet (None: no branches, or taken)."""
         step = self.step
         if step is None or step.branches is None or step.branch_argmax is not None:
-            return
+            return None
         plan = step.branches
-        span = slice(plan.first_token, plan.first_token + plan.num_tokens)
-        logits = compute_logits(hidden_states[span])
+        return hidden_states[plan.first_token : plan.first_token + plan.num_tokens]
+
+    def take_branch_logits(self, logits: torch.Tensor, sampling_params_of: Callable[[str], Any]) -> None:
+        """4b. The target's logits at the branch tokens (vLLM computes them with the
+        real tokens', one pass over the output embedding): its choice after each branch
+        token (greedy requests), or its distribution there (sampled ones)."""
+        step = self.step
+        assert step is not None and step.branches is not None
         step.branch_argmax = logits.argmax(dim=-1).cpu().numpy()
-        for request in plan.requests:
+        for request in step.branches.requests:
             params = sampling_params_of(request.req_id)
             if is_sampled(params):
-                first = request.start - plan.first_token
+                first = request.start - step.branches.first_token
                 step.branch_probs[request.req_id] = sampling_probs(logits[first : first + request.num_tokens], params)
 
     def accept_branches(self, sampled_token_ids: torch.Tensor, generators: dict[int, torch.Generator]) -> None:

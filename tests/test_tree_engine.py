@@ -9,7 +9,7 @@ import pytest
 from vllm_fafo.metrics import collect_metrics
 
 from .conftest import BATCH1_PROMPTS
-from .engine_utils import assert_same_tokens, generate_one_by_one, greedy, token_ids
+from .engine_utils import assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
 from .test_sampling import MAX_BINNED_TV, MAX_TOKENS, NUM_SAMPLES, PROMPT, binned_tv, sample
 
 pytestmark = pytest.mark.engine
@@ -83,3 +83,23 @@ def test_sampled_requests_with_branches_keep_plain_distribution(plain_llm, tree_
     outputs = tree_llm.generate([mtbench[3]] + [PROMPT] * len(sampled), [greedy(96)] + sampled, use_tqdm=False)
     assert token_ids(outputs[:1]) == greedy_expected
 
+
+
+@pytest.fixture(scope="session")
+def goodput_tree_llm(model_dir):
+    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0, "num_candidates": 8})
+
+
+def test_trees_sized_by_the_goodput_controller_identical_to_plain(plain_batch1_tokens, goodput_tree_llm, mtbench):
+    """The controller cuts the grown branches to those it expects to pay (before any
+    ran it tries them: a first-token rate of 0.5, priced like other tokens), learns
+    their yields and the cost of steps with branches, and reports both."""
+    got = token_ids(generate_one_by_one(goodput_tree_llm, mtbench[:4], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens[:4], got)
+    metrics = collect_metrics(goodput_tree_llm)
+    assert metrics["tree_tokens"] > 0
+    controller = metrics["controller"]
+    assert controller["controller"] == "goodput"
+    assert len(controller["tree_cost_curve_tokens"]) >= 1  # steps with branches were priced
+    assert all(ms > 0 for ms in controller["tree_cost_curve_ms"])
+    assert 0.0 <= min(controller["branch_first_token_rate"]) <= max(controller["branch_first_token_rate"]) <= 1.0

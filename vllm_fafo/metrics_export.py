@@ -76,6 +76,7 @@ CONTROLLER_GAUGES: dict[str, str] = {
     "mean_draft_len": "Mean draft length the controller chose last step (goodput controller).",
     "lane_yield": "Accepted tokens per lane token, decayed average (goodput controller).",
     "tokens_per_request": "Tokens per request-step without lanes, decayed average (goodput controller).",
+    "tree_tokens": "Draft-tree branch tokens the controller kept for the next step, all requests (goodput controller).",
 }
 """Controller summary key -> help text (exported as ``vllm:fafo_controller_<key>``, with a
 ``controller`` label naming the controller); the goodput controller also exports

@@ -174,3 +174,25 @@ def test_a_step_lives_from_begin_step_to_propose():
     assert proposer.step is None  # nothing of the step outlives it
     with pytest.raises(RuntimeError, match="runner patches are not applied"):
         proposer.propose([[1]], np.array([7]), batch.token_ids)
+
+
+def test_branch_hidden_states_come_from_the_planned_forward_only():
+    """The runner hands every forward's hidden states over (dummy runs too): only the
+    forward of the planned size gives the branch rows, once."""
+    import torch
+
+    from vllm_fafo.proposer import FafoStep
+    from vllm_fafo.tree import Branch, BranchPlan, layout_request
+
+    proposer = make_proposer()
+    request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))], torch.device("cpu"))
+    proposer.step = FafoStep(num_scheduled_tokens=3, scheduled_spec_tokens={"a": [5, 6]},
+                             branches=BranchPlan(np.array([7, 8]), np.array([5, 6]), (request,)))
+    hidden = torch.arange(5.0)[:, None].expand(5, 4)
+    assert proposer.branch_hidden_states(torch.zeros(16, 4)) is None  # a dummy forward's
+    assert proposer.branch_hidden_states(hidden)[:, 0].tolist() == [3.0, 4.0]
+    logits = torch.zeros(2, 10)
+    logits[0, 8], logits[1, 2] = 1.0, 1.0
+    proposer.take_branch_logits(logits, lambda req_id: SimpleNamespace(sampling_type=0))
+    assert proposer.step.branch_argmax.tolist() == [8, 2]
+    assert proposer.branch_hidden_states(hidden) is None  # taken

@@ -363,9 +363,12 @@ class FafoProposer:
 
     def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """4b. The forward ran: its hidden states at this step's branch tokens, while the
-        target's choices there are not taken yet (None: no branches, or taken)."""
+        target's choices there are not taken yet (None: no branches, taken, or the
+        hidden states of another forward than the one planned, such as a dummy run)."""
         step = self.step
         if step is None or step.branches is None or step.branch_argmax is not None:
+            return None
+        if len(hidden_states) != step.num_scheduled_tokens + step.tail_tokens:
             return None
         plan = step.branches
         return hidden_states[plan.first_token : plan.first_token + plan.num_tokens]

@@ -4,16 +4,20 @@ A step's tokens (real + drafts + lanes) cost what this machine charges for
 them: on a GPU about nothing up to a knee, on a CPU every token. Lane tokens
 earn later (their n-grams are accepted in later steps), draft tokens earn if
 accepted. Each step the controller picks, for the whole batch, the lanes per
-request and the draft length that maximise expected accepted tokens per
-second (SmartSpec / TurboSpec's goodput objective), down to no lanes and no
-drafts when nothing pays. Everything is learned from the engine's own steps:
+request, the draft length and the draft tree's branch tokens that maximise
+expected accepted tokens per second (SmartSpec / TurboSpec's goodput
+objective), down to no lanes, no branches and no drafts when nothing pays.
+Everything is learned from the engine's own steps:
 
 - :class:`StepCostModel`: seconds per step against tokens in the forward,
   one decayed mean per point of a geometric grid of token counts, read as a
   monotone piecewise-linear curve (no hardware table).
 - :class:`YieldEstimates`: decayed continuation rates per draft position and
-  matched key length, accepted tokens per decoding request from text n-grams, and
-  accepted lane-n-gram tokens per lane token run.
+  matched key length, and per branch position and rank among sibling branches;
+  accepted tokens per decoding request from text n-grams, and accepted
+  lane-n-gram tokens per lane token run.
+- A second :class:`StepCostModel` for steps with draft-tree branches, whose
+  attention (the plugin's own) costs more than their token count says.
 
 Draft lengths are chosen per request from the candidate's support (suffix
 decoding's rule, learned): every draft token has an estimated probability of

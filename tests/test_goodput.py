@@ -397,21 +397,3 @@ def test_branch_tokens_follow_what_they_earn_against_what_they_cost(name):
         assert np.mean(np.array(tree_tokens[500:]) > 0) < 0.1
     best = max(simulate_tree(machine, FixedController(MAX_DRAFT), 2000, keep_branches=keep)[0] for keep in (False, True))
     assert got >= 0.95 * best
-
-
-def test_the_first_step_with_branches_is_not_priced():
-    """It pays one-time initialisation; priced, it would make every tree look dear."""
-    none = np.zeros(0, np.int64)
-    controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
-
-    def step(tree_tokens: int, ms: float) -> StepOutcome:
-        return StepOutcome(tokens=5 + tree_tokens, seconds=ms / 1000, lane_tokens=0, lane_accepted=0,
-                           text_accepted=0, draft_lengths=none, accepted_lengths=none, key_lens=none,
-                           tree_tokens=tree_tokens)
-
-    controller.observe(step(0, 10.0))
-    controller.observe(step(3, 90.0))
-    assert not controller.tree_cost.has_data
-    controller.observe(step(3, 12.0))
-    assert controller.tree_cost.predict(8) == pytest.approx(0.012)
-    assert controller.cost.predict(5) == pytest.approx(0.010)  # steps with branches never price plain ones

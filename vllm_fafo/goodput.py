@@ -342,11 +342,6 @@ class GoodputController:
         self._draft_probe = _Probe(probe_interval, max_probe_interval)
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
-        self._tree_warmed_up = False
-        """Whether a step with branches ran: the first one in a process pays one-time
-        initialisation (on the 2-core CPU 70-97 ms against 27-36 ms for later ones)
-        and is not priced; the curve is monotone, so that one step would make every
-        tree look dear until its point was forgotten (512 steps)."""
         self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------
@@ -459,11 +454,7 @@ class GoodputController:
         own: branch attention is the plugin's, not vLLM's kernel, and costs a fixed
         amount per layer and step that one curve over token counts could not tell
         from the price of the tokens."""
-        if not outcome.tree_tokens:
-            self.cost.observe(outcome.tokens, outcome.seconds)
-        elif self._tree_warmed_up:
-            self.tree_cost.observe(outcome.tokens, outcome.seconds)
-        self._tree_warmed_up = self._tree_warmed_up or outcome.tree_tokens > 0
+        (self.tree_cost if outcome.tree_tokens else self.cost).observe(outcome.tokens, outcome.seconds)
         self.yields.observe(outcome)
 
     def summary(self) -> dict:

@@ -341,7 +341,8 @@ def simulate_tree(machine: TreeMachine, controller, steps: int, keep_branches: b
             branch_matches=matches[trials],
         ))
         if keep_branches is None:
-            kept = controller.choose_branches(1 + MAX_DRAFT, key_lens, np.array([MAX_DRAFT]), grown)
+            controller.choose_draft_lens(1, key_lens, np.array([MAX_DRAFT]))  # reach probabilities of the spines
+            kept = controller.choose_branches(1 + MAX_DRAFT, np.array([MAX_DRAFT]), grown)
         else:
             kept = grown.lengths if keep_branches else np.zeros_like(grown.lengths)
     return tokens_out / seconds_total, tree_tokens

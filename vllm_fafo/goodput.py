@@ -191,15 +191,12 @@ class YieldEstimates:
         accepted = np.asarray(outcome.accepted_lengths)[:, None]
         self.position_trials *= d
         self.position_hits *= d
-        np.add.at(self.position_trials, key_lens, (drafted >= positions) & (accepted >= positions - 1))
-        np.add.at(self.position_hits, key_lens, accepted >= positions)
+        _count_chains(self.position_trials, self.position_hits, key_lens, drafted, accepted, positions)
         ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
-        lengths = np.asarray(outcome.branch_lengths)[:, None]
-        matches = np.asarray(outcome.branch_matches)[:, None]
         self.branch_trials *= d
         self.branch_hits *= d
-        np.add.at(self.branch_trials, ranks, (lengths >= positions) & (matches >= positions - 1))
-        np.add.at(self.branch_hits, ranks, matches >= positions)
+        _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
+                      np.asarray(outcome.branch_matches)[:, None], positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -251,6 +248,15 @@ class YieldEstimates:
         rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
                               weight=1.0)
         return np.cumprod(rates, axis=1)
+
+
+def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                  accepted: np.ndarray, positions: np.ndarray) -> None:
+    """Add chains (drafts or branches, one per entry of ``rows``) to their row's counts:
+    a chain reached position k if it was that long and its first k - 1 tokens were
+    accepted; it hit k if its first k were. ``lengths``/``accepted``: (chains, 1)."""
+    np.add.at(trials, rows, (lengths >= positions) & (accepted >= positions - 1))
+    np.add.at(hits, rows, accepted >= positions)
 
 
 def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weight: float) -> np.ndarray:
@@ -307,8 +313,7 @@ class FixedController:
         """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
         return np.asarray(available, dtype=np.int64)
 
-    def choose_branches(self, step_tokens: int, key_lens: np.ndarray, spine_lens: np.ndarray,
-                        branches: BranchSet) -> np.ndarray:
+    def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
         """Every branch as grown (``num_candidates`` and ``max_tree_tokens`` bound them)."""
         return np.asarray(branches.lengths, dtype=np.int64)
 
@@ -342,6 +347,8 @@ class GoodputController:
         self._draft_probe = _Probe(probe_interval, max_probe_interval)
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
+        self._spine_reach = np.zeros((0, max_draft))
+        """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
         self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------
@@ -393,7 +400,7 @@ class GoodputController:
         available = np.asarray(available, dtype=np.int64)
         if not len(available) or not self.cost.has_data:
             return available
-        reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
+        reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
         worth = np.where(np.arange(self.max_draft) < available[:, None], reach, -1.0).ravel()
         order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
         order = order[worth[order] >= 0]
@@ -410,14 +417,14 @@ class GoodputController:
         self.last.mean_draft_len = float(lengths.mean())
         return lengths
 
-    def choose_branches(self, step_tokens: int, key_lens: np.ndarray, spine_lens: np.ndarray,
-                        branches: BranchSet) -> np.ndarray:
+    def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
         """Tokens to keep of each grown branch for the next step (a prefix of it, 0 drops
         it): the branch tokens most likely to be accepted, as many as maximise expected
         accepted tokens per second on top of the spines already chosen.
 
-        ``key_lens`` and ``spine_lens``: every decoding request's draft (the spines),
-        ``step_tokens``: the next step's tokens with the spines. A branch off node j
+        Called after :meth:`choose_draft_lens` of the same step, whose reach
+        probabilities it reuses: ``spine_lens`` are the lengths that chose, one per
+        decoding request, ``step_tokens`` the next step's tokens with the spines. A branch off node j
         pays only where its spine stops exactly at j, so its token i is worth
         P(spine stops at j) x P(branch tokens 1..i accepted | that), the first from
         the spine's reach probabilities, the second learned per rank. A step with
@@ -427,7 +434,7 @@ class GoodputController:
         lengths = np.asarray(branches.lengths, dtype=np.int64)
         if not len(lengths) or not self.cost.has_data:  # a step without branches first
             return np.zeros_like(lengths)
-        reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
+        reach = self._spine_reach  # (requests, max_draft), from choose_draft_lens
         spine_lens = np.asarray(spine_lens, dtype=np.int64)
         spine_worth = np.where(np.arange(self.max_draft) < spine_lens[:, None], reach, 0.0).sum()
         reached = np.concatenate([np.ones((len(reach), 1)), reach], axis=1)  # P(first j accepted), j = 0..

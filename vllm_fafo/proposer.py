@@ -576,7 +576,7 @@ class FafoProposer:
         if not owners:
             return
         kept = iter(self.controller.choose_branches(
-            step_tokens, np.array([state.last_key_len for state in states], dtype=np.int64), spine_lens,
+            step_tokens, spine_lens,
             BranchSet(*(np.array(values, dtype=np.int64) for values in (owners, nodes, ranks, branch_lens))),
         ).tolist())
         for state in states:

@@ -43,6 +43,7 @@ from vllm_fafo.proposer import (
     request_pool,
     shared_pools,
     suffix_trees,
+    tree_draft,
 )
 
 
@@ -73,7 +74,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             next_anchor = file_new_ngrams(config, pools, history, next_anchor, num_tokens, len(prompt))
             draft, key_len = [], 0
             if trees is not None:
-                draft, key_len = trees.draft(str(index), history, num_tokens, k)
+                draft, _, key_len = tree_draft(trees, pools, None, str(index), history, num_tokens, k) or ([], [], 0)
             if not draft:
                 draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
             if controller is not None:

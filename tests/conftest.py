@@ -93,6 +93,17 @@ def suffix_tree_llm(model_dir):
     return make_llm(model_dir, SUFFIX_TREE_SPEC)
 
 
+DEEP_MATCH_SPEC = {**LANES_SPEC, "text_source": "deep_match"}
+"""Text drafted from deep matches, lanes pinned on: both draft sources run."""
+
+
+@pytest.fixture(scope="session")
+def deep_match_llm(model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, DEEP_MATCH_SPEC)
+
+
 TREE_SPEC = {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "num_speculative_tokens": 8,
              "controller": "fixed"}
 """Pool only, with up to three branches next to each spine, every one run (the goodput

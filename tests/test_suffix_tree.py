@@ -1,5 +1,7 @@
 """The suffix-tree text source (vllm_fafo.suffix_tree) against Arctic Inference's
-trees used directly: what it feeds them, which tenant's tree answers, what it forgets."""
+trees used directly: what it feeds them, which tenant's tree answers, what it forgets.
+The tenant and bound tests run for both caches SuffixTrees can hold: Arctic's trees
+(``text_source`` ``suffix_tree``) and the deep-match text caches (``deep_match``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,13 @@ from vllm_fafo.suffix_tree import SuffixTrees
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int64)
 ANSWER = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+
+
+@pytest.fixture(params=["suffix_tree", "deep_match"])
+def deep_match_key_len(request) -> int:
+    """0: Arctic's trees; 5: deep-match text caches drafting matches 5 or more deep
+    (as ``text_source`` ``deep_match`` with ``max_key_len`` 4)."""
+    return 0 if request.param == "suffix_tree" else 5
 
 
 def decode(trees: SuffixTrees, req_id: str, tenant: str | None, prompt: np.ndarray, answer: list[int]) -> None:
@@ -39,8 +48,8 @@ def test_drafts_the_prompts_continuation_no_longer_than_the_match():
     assert trees.draft("r", history, len(history), room=0) == ([], 0)
 
 
-def test_a_finished_answer_drafts_for_its_tenant_only():
-    trees = SuffixTrees(cached_requests=100, max_tenants=4)
+def test_a_finished_answer_drafts_for_its_tenant_only(deep_match_key_len):
+    trees = SuffixTrees(cached_requests=100, max_tenants=4, deep_match_key_len=deep_match_key_len)
     decode(trees, "first", "salt-a", PROMPT, ANSWER)
     trees.stop("first")
     question = [1, 2, *ANSWER[:6]]  # another prompt, then the first answer's opening
@@ -51,15 +60,15 @@ def test_a_finished_answer_drafts_for_its_tenant_only():
     assert other == [] and unsalted == []
 
 
-def test_no_cached_requests_means_no_sharing():
-    trees = SuffixTrees(cached_requests=0, max_tenants=4)
+def test_no_cached_requests_means_no_sharing(deep_match_key_len):
+    trees = SuffixTrees(cached_requests=0, max_tenants=4, deep_match_key_len=deep_match_key_len)
     decode(trees, "first", None, PROMPT, ANSWER)
     trees.stop("first")
     assert draft_after(trees, "second", None, [1, 2, *ANSWER[:6]]) == ([], 0)
 
 
-def test_answers_are_bounded_over_all_tenants_oldest_evicted_first():
-    trees = SuffixTrees(cached_requests=2, max_tenants=8)
+def test_answers_are_bounded_over_all_tenants_oldest_evicted_first(deep_match_key_len):
+    trees = SuffixTrees(cached_requests=2, max_tenants=8, deep_match_key_len=deep_match_key_len)
     answers = {name: [base + i for i in range(10)] for name, base in (("a", 100), ("b", 200), ("c", 300))}
     for name, tenant in (("a", "x"), ("b", "y"), ("c", "x")):
         decode(trees, name, tenant, PROMPT, answers[name])
@@ -84,16 +93,16 @@ def test_clear_forgets_finished_answers_but_not_a_running_requests_text():
     assert draft_after(trees, "later", None, [1, 2, *ANSWER[:6]]) == ([], 0)
 
 
-def test_a_request_id_used_again_does_not_draft_its_old_answer():
-    trees = SuffixTrees(cached_requests=100, max_tenants=4)
+def test_a_request_id_used_again_does_not_draft_its_old_answer(deep_match_key_len):
+    trees = SuffixTrees(cached_requests=100, max_tenants=4, deep_match_key_len=deep_match_key_len)
     decode(trees, "r", None, PROMPT, ANSWER)
     trees.stop("r")
     trees.start("r", None, np.array([1, 2]))
     assert trees.num_cached_requests() == 1  # the old answer's slot went with it
 
 
-def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
-    trees = SuffixTrees(cached_requests=100, max_tenants=2)
+def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept(deep_match_key_len):
+    trees = SuffixTrees(cached_requests=100, max_tenants=2, deep_match_key_len=deep_match_key_len)
     trees.start("running", "a", PROMPT)
     for tenant in ("b", "c", "d"):
         decode(trees, f"done-{tenant}", tenant, PROMPT, ANSWER)
@@ -106,7 +115,7 @@ def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
 
 
 def test_config_names_the_key_and_the_allowed_sources():
-    with pytest.raises(FafoConfigError, match=r"text_source.*'trie'.*allowed: 'pool', 'suffix_tree'"):
+    with pytest.raises(FafoConfigError, match=r"text_source.*'trie'.*allowed: 'pool', 'deep_match', 'suffix_tree'"):
         FafoConfig.from_user_dict({"method": "fafo", "text_source": "trie"})
     with pytest.raises(FafoConfigError, match=r"suffix_tree_cached_requests"):
         FafoConfig.from_user_dict({"method": "fafo", "suffix_tree_cached_requests": -1})
@@ -117,3 +126,6 @@ def test_suffix_tree_without_arctic_inference_says_how_to_get_it(monkeypatch):
     with pytest.raises(FafoConfigError, match=r"pip install arctic-inference==0\.3\.0"):
         FafoConfig.from_user_dict({"method": "fafo", "text_source": "suffix_tree"})
     assert FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool"}).text_source == "pool"
+    deep = FafoConfig.from_user_dict({"method": "fafo", "text_source": "deep_match"})  # needs no Arctic
+    trees = SuffixTrees(cached_requests=10, max_tenants=2, deep_match_key_len=deep.max_key_len + 1)
+    decode(trees, "r", None, PROMPT, ANSWER)

@@ -19,6 +19,7 @@ from vllm_fafo.compression.base import settings_keys
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 from vllm_fafo.goodput import CONTROLLERS
 from vllm_fafo.suffix_tree import TEXT_SOURCES, require_suffix_trees
+from vllm_fafo.text_match import MATCH_DEPTH
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
@@ -87,7 +88,10 @@ class FafoConfig:
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
     text_source: str = "pool"
-    """Where drafts of the decoded text come from: ``pool`` (the n-gram pool) or
+    """Where drafts of the decoded text come from: ``pool`` (the n-gram pool),
+    ``deep_match`` (the request's own text and its tenant's answers matched up to 24
+    tokens deep where that is deeper than the pool's keys, vllm_fafo.text_match; the
+    pool elsewhere and where the matched text ends) or
     ``suffix_tree`` (Arctic Inference's suffix trees, vllm_fafo.suffix_tree; the
     pool still drafts where the tree has nothing, and holds the lanes' n-grams)."""
     suffix_tree_cached_requests: int = 10000
@@ -203,6 +207,12 @@ class FafoConfig:
         check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
         if self.text_source == "suffix_tree":
             require_suffix_trees()
+        if self.text_source == "deep_match" and self.max_key_len >= MATCH_DEPTH:
+            raise FafoConfigError(
+                f"speculative_config['max_key_len']={self.max_key_len} with text_source 'deep_match': "
+                f"deep matches are up to {MATCH_DEPTH} tokens and drafted where deeper than the pool's keys; "
+                f"allowed: max_key_len below {MATCH_DEPTH}, or text_source 'pool'"
+            )
 
     def policy_settings(self) -> Any:
         """The chosen policy's Settings, built from ``compression_settings``."""

@@ -35,6 +35,7 @@ class Origin(str, Enum):
     FROZEN = "frozen"  # Cacheback's offline table
     SHARED = "shared"  # another request's text or lanes, via the shared pool
     SUFFIX_TREE = "suffix_tree"  # the text's suffix trees (text_source "suffix_tree")
+    DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (text_source "deep_match")
 
 
 Candidate = tuple[int, ...]

@@ -107,16 +107,22 @@ def shared_pools(config: FafoConfig) -> TenantPools | None:
 
 
 def suffix_trees(config: FafoConfig) -> SuffixTrees | None:
-    """The text's suffix trees, one per tenant (None: ``text_source`` is the pool)."""
-    if config.text_source != "suffix_tree":
+    """The text's suffix trees (``text_source`` ``suffix_tree``) or deep-match text
+    caches (``deep_match``), one per tenant (None: ``text_source`` is the pool)."""
+    if config.text_source == "pool":
         return None
-    return SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, config.shared_pool_tenants)
+    # deep matches no deeper than the pool's keys are the pool's: its recency order (lanes' n-grams
+    # included) did as well there in replay (benchmarks/replay_pool.py)
+    deep_match_key_len = config.max_key_len + 1 if config.text_source == "deep_match" else 0
+    return SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, config.shared_pool_tenants,
+                       deep_match_key_len)
 
 
 def longest_match(config: FafoConfig) -> int:
     """The longest matched context a draft reports as its evidence (the goodput
-    controller keeps a row per length): the pool's key, or the suffix tree's match."""
-    return max(config.max_key_len, TREE_DEPTH if config.text_source == "suffix_tree" else 0)
+    controller keeps a row per length): the pool's key, the own text's deep match,
+    or the suffix tree's match."""
+    return max(config.max_key_len, TREE_DEPTH if config.text_source != "pool" else 0)
 
 
 def first_anchor(config: FafoConfig, prompt_len: int) -> int:
@@ -189,6 +195,26 @@ def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: l
         origins += [found.origin] * len(piece)
         context = (context + piece)[-max_key_len:]
     return draft, origins, first_key_len
+
+
+def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], frozen: NgramPool | None, req_id: str,
+               history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], list[Origin], int] | None:
+    """The draft of the request's suffix tree or deep-match text cache, with its match
+    length; a deep match's draft that ends before ``room`` (its text ended) is chained
+    on from the pools (:func:`chain_draft`). None where the tree has nothing."""
+    draft, match_len = trees.draft(req_id, history, num_tokens, room)
+    if not draft:
+        return None
+    if not trees.deep_match_key_len:
+        return draft, [Origin.SUFFIX_TREE] * len(draft), match_len
+    origins = [Origin.DEEP_MATCH] * len(draft)
+    if len(draft) < room:
+        max_key_len = pools[0].max_key_len
+        context = (history[num_tokens - max_key_len : num_tokens].tolist() + draft)[-max_key_len:]
+        more, more_origins, _ = chain_draft(pools, frozen, context, room - len(draft))
+        draft += more
+        origins += more_origins
+    return draft, origins, match_len
 
 
 @dataclass
@@ -690,12 +716,13 @@ class FafoProposer:
     def _draft(self, req_id: str, state: RequestState, history: np.ndarray,
                num_tokens: int) -> tuple[list[int], list[Origin], int]:
         """The request's draft, at most ``num_speculative_tokens`` and never past
-        ``max_model_len``: its suffix tree's (``text_source`` ``suffix_tree``) or else
-        its pools' (:func:`chain_draft`), with the length of the context it matched."""
+        ``max_model_len``: its suffix tree's (``text_source`` ``suffix_tree``), its own
+        text's deep match (``deep_match``) or else its pools' (:func:`chain_draft`),
+        with the length of the context it matched."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         if self.suffix_trees is not None:
-            draft, match_len = self.suffix_trees.draft(req_id, history, num_tokens, room)
-            if draft:
-                return draft, [Origin.SUFFIX_TREE] * len(draft), match_len
+            found = tree_draft(self.suffix_trees, state.pools, self.frozen, req_id, history, num_tokens, room)
+            if found is not None:
+                return found
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
         return chain_draft(state.pools, self.frozen, context, room)

@@ -15,6 +15,9 @@ branches and for steps where the tree has nothing (its draft is then the
 pool's chain); the goodput controller cuts either draft by its matched
 context length (the tree's match length, the pool's key length).
 
+``"text_source": "deep_match"`` runs the same bookkeeping over numpy text
+caches (vllm_fafo.text_match) instead of Arctic's trees.
+
 Tenants (vLLM's ``cache_salt``) never share a tree: each has its own cache,
 at most ``max_tenants`` of them (the least recently used one without running
 requests is dropped); all together keep at most ``cached_requests`` answers
@@ -30,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from vllm_fafo.errors import FafoConfigError
+from vllm_fafo.text_match import MATCH_DEPTH, TextCache
 
-TEXT_SOURCES = ("pool", "suffix_tree")
+TEXT_SOURCES = ("pool", "deep_match", "suffix_tree")
 
-TREE_DEPTH = 24
+TREE_DEPTH = MATCH_DEPTH
 """Deepest suffix match, as vLLM's ``suffix_decoding_max_tree_depth`` default."""
 MAX_SPEC_FACTOR = 1.0
 """Draft at most this many tokens per matched token (vLLM's default)."""
@@ -69,8 +73,12 @@ class SuffixTrees:
     tenant: a tree holds about 65 KiB per 256-token answer of random tokens and
     7.5 KiB for repetitive text (README, "Text source")."""
 
-    def __init__(self, cached_requests: int, max_tenants: int) -> None:
-        self._cache_class = require_suffix_trees()
+    def __init__(self, cached_requests: int, max_tenants: int, deep_match_key_len: int = 0) -> None:
+        """``deep_match_key_len`` > 0: each tenant's texts are a numpy
+        :class:`~vllm_fafo.text_match.TextCache` drafting matches at least that deep
+        (``text_source`` ``deep_match``), not Arctic's tree."""
+        self.deep_match_key_len = deep_match_key_len
+        self._cache_class = None if deep_match_key_len else require_suffix_trees()
         self.cached_requests = cached_requests
         self.max_tenants = max_tenants
         self._caches: OrderedDict[str | None, Any] = OrderedDict()
@@ -84,8 +92,10 @@ class SuffixTrees:
         cache = self._caches.get(tenant)
         if cache is None:
             # Arctic's own bound is per cache: -1 (none) here, the bound over all tenants is kept below.
-            cache = self._caches[tenant] = self._cache_class(max_tree_depth=TREE_DEPTH,
-                                                             max_cached_requests=-1 if self.cached_requests else 0)
+            keep = -1 if self.cached_requests else 0
+            cache = self._caches[tenant] = (
+                TextCache(self.deep_match_key_len, keep) if self._cache_class is None
+                else self._cache_class(max_tree_depth=TREE_DEPTH, max_cached_requests=keep))
         self._caches.move_to_end(tenant)
         if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
@@ -108,8 +118,11 @@ class SuffixTrees:
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - TREE_DEPTH) : num_tokens], dtype=np.int32)
-        found = cache.speculate(req_id, context, max_spec_tokens=room, max_spec_factor=MAX_SPEC_FACTOR,
-                                min_token_prob=MIN_TOKEN_PROB)
+        if self._cache_class is None:
+            found = cache.speculate(req_id, context, room)
+        else:
+            found = cache.speculate(req_id, context, max_spec_tokens=room, max_spec_factor=MAX_SPEC_FACTOR,
+                                    min_token_prob=MIN_TOKEN_PROB)
         tokens = list(found.token_ids)
         return tokens, (found.match_len if tokens else 0)
 

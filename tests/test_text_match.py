@@ -1,0 +1,124 @@
+"""Deep matches (vllm_fafo.text_match, ``text_source`` ``deep_match``) against a
+brute-force scan of the texts, and the draft the proposer makes of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_fafo.config import FafoConfig, FafoConfigError
+from vllm_fafo.pool import Origin
+from vllm_fafo.proposer import longest_match, request_pool, suffix_trees, tree_draft
+from vllm_fafo.text_match import MAX_POSITIONS, TextCache
+
+KEY_LEN, DEPTH = 3, 24
+
+
+def scan(own: list[int], own_answer_start: int, answers: list[tuple[list[int], int]],
+         room: int) -> tuple[list[int], int]:
+    """The reference: every earlier place the own text's last KEY_LEN tokens ended:
+    the latest MAX_POSITIONS in all answers (the own one included, where the key's next
+    token is in the answer), less the own answer's, then the latest MAX_POSITIONS of the
+    own text, each oldest first; the last of the deepest wins; its continuation, and the
+    depth."""
+    key = own[-KEY_LEN:]
+    answer_places = []
+    for text, answer_start in [*answers, (own, own_answer_start)]:
+        answer_places += [(text, e) for e in range(KEY_LEN - 1, len(text) - 1)
+                          if e + 1 >= answer_start and text[e - KEY_LEN + 1 : e + 1] == key]
+    places = [(text, e) for text, e in answer_places[-MAX_POSITIONS:] if text is not own]
+    places += [(own, e) for e in range(KEY_LEN - 1, len(own) - 1) if own[e - KEY_LEN + 1 : e + 1] == key][-MAX_POSITIONS:]
+    best = ([], 0)
+    best_depth = -1
+    for text, end in places:
+        depth = 0
+        while depth < DEPTH and end - depth >= 0 and text[end - depth] == own[len(own) - 1 - depth]:
+            depth += 1
+        if depth >= best_depth:
+            best, best_depth = (text[end + 1 : end + 1 + room], depth), depth
+    return best
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 6])
+def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+    answers = []
+    for name in ("old-1", "old-2"):  # finished requests: their answers are kept, their prompts not
+        prompt, answer = rng.integers(0, vocab, 30), rng.integers(0, vocab, 120)
+        cache.start_request(name, prompt)
+        cache.add_active_response(name, answer[:50])
+        cache.add_active_response(name, answer[50:])
+        cache.stop_request(name)
+        answers.append(([*prompt.tolist(), *answer.tolist()], len(prompt)))
+    text = rng.integers(0, vocab, 400)
+    text[200:260] = text[40:100]  # a repeat deeper than DEPTH
+    cache.start_request("now", text[:50])
+    num_tokens, drafted = 50, 0
+    while num_tokens < len(text):
+        step = int(rng.integers(1, 5))  # several tokens accepted per step, as in decoding
+        cache.add_active_response("now", text[num_tokens : num_tokens + step])
+        num_tokens = min(len(text), num_tokens + step)
+        context = text[max(0, num_tokens - DEPTH) : num_tokens]
+        found = cache.speculate("now", context, max_spec_tokens=6)
+        own = text[:num_tokens].tolist()
+        expected = scan(own, 50, answers, 6)
+        if expected[1] < KEY_LEN:
+            expected = ([], 0)
+        assert (found.token_ids, found.match_len) == expected, num_tokens
+        drafted += bool(found.token_ids)
+    assert drafted > 50
+
+
+def test_an_evicted_answer_leaves_no_key_behind() -> None:
+    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+    cache.start_request("a", np.array([1, 2, 3]))
+    cache.add_active_response("a", np.arange(10, 40))
+    cache.stop_request("a")
+    assert cache.num_keys() > 20
+    cache.evict_cached_response("a")
+    assert cache.num_keys() == 0 and "a" not in cache.cached_requests
+    forgetting = TextCache(KEY_LEN, max_cached_requests=0)  # answers forgotten when their request stops
+    forgetting.start_request("b", np.array([1, 2, 3]))
+    forgetting.add_active_response("b", np.arange(10, 40))
+    forgetting.stop_request("b")
+    assert forgetting.num_keys() == 0
+
+
+def test_a_running_request_drafts_from_another_running_requests_answer() -> None:
+    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+    cache.start_request("writer", np.array([1, 2]))
+    cache.add_active_response("writer", np.arange(10, 30))
+    cache.start_request("reader", np.array([7, 8, 10, 11, 12, 13]))
+    found = cache.speculate("reader", np.array([7, 8, 10, 11, 12, 13]), max_spec_tokens=4)
+    assert found.token_ids == [14, 15, 16, 17] and found.match_len == 4
+
+
+def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
+    config = FafoConfig(num_speculative_tokens=8, text_source="deep_match")
+    trees = suffix_trees(config)
+    repeat = [10, 11, 12, 13, 14, 15]
+    text = np.array([1, *repeat, *repeat])  # the end matches the first repeat 6 deep, its continuation ends
+    trees.start("r", None, text)
+    pool = request_pool(config)
+    pool.add(repeat[-4:], (20, 21), Origin.LANE)
+    draft, origins, depth = tree_draft(trees, (pool,), None, "r", text, len(text), room=8)
+    assert depth == 6
+    assert draft == [*repeat, 20, 21]
+    assert origins == [Origin.DEEP_MATCH] * 6 + [Origin.LANE] * 2
+
+
+def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
+    config = FafoConfig(text_source="deep_match")  # max_key_len 4: deep matches are 5 or more deep
+    trees = suffix_trees(config)
+    text = np.array([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # "1 2 3 4" again, 4 deep
+    trees.start("r", None, text)
+    assert tree_draft(trees, (request_pool(config),), None, "r", text, len(text), room=16) is None
+
+
+def test_config() -> None:
+    assert longest_match(FafoConfig(text_source="deep_match")) == DEPTH
+    assert longest_match(FafoConfig()) == 4
+    assert suffix_trees(FafoConfig()) is None
+    with pytest.raises(FafoConfigError, match=r"max_key_len.*=24 with text_source 'deep_match'.*below 24"):
+        FafoConfig.from_user_dict({"method": "fafo", "text_source": "deep_match", "max_key_len": 24})

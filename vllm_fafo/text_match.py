@@ -1,0 +1,191 @@
+"""Deep matches of a request's current suffix in its own text and its tenant's answers.
+
+The pool files candidates under keys of at most ``max_key_len`` (4) tokens,
+so a lookup cannot tell a continuation that followed the same 4 tokens by
+chance from one that followed the same 20: both are "found under a 4-token
+key", and the goodput controller cuts both drafts alike. vLLM's ``suffix``
+method matches up to 24 tokens deep and drafts, at the same tau, about half
+the pool's draft tokens (README, "Text source"), but it needs Arctic
+Inference, which is published as source only. ``"text_source":
+"deep_match"`` matches as deep with numpy and the standard library:
+
+- :class:`TextIndex` keeps one text (a request's prompt and output) and, for
+  every ``key_len``-token key of it, the latest ``MAX_POSITIONS`` places the
+  key ended.
+- :class:`TextCache` is one tenant's: the running requests' indexes and an
+  index of the answers (outputs) of its requests, running and finished, by
+  the same keys. A lookup takes the places the text's last ``key_len``
+  tokens ended, in the request's own text and in the answers, compares the
+  tokens before each with the text's end, up to ``MATCH_DEPTH`` back, and
+  drafts the continuation of the deepest match (the request's own text on
+  ties, then the latest), with the depth as the goodput controller's
+  evidence. It has the methods of Arctic's ``SuffixDecodingCache`` that
+  :class:`vllm_fafo.suffix_tree.SuffixTrees` uses, so tenants, the bound on
+  kept answers and their eviction are the same code for both sources.
+
+Work per draft is bounded by ``2 x MAX_POSITIONS x MATCH_DEPTH`` compares,
+flat in the text's length; indexing is per decoded token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+MATCH_DEPTH = 24
+"""Deepest match looked for (as vLLM ``suffix``'s ``suffix_decoding_max_tree_depth``)."""
+MAX_POSITIONS = 8
+"""Latest places per key compared, in the own text and in the answers (the pool's
+default ``pool_capacity``)."""
+
+
+class TextIndex:
+    """One text, and where each of its ``key_len``-token keys ended (the latest
+    ``MAX_POSITIONS``), for the keys followed by at least one token."""
+
+    def __init__(self, key_len: int, tokens: np.ndarray) -> None:
+        self.key_len = key_len
+        self._text = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._len = 0
+        self._ends: dict[tuple[int, ...], list[int]] | None = {}
+        """Key -> the latest positions of its last token, oldest first (None: frozen)."""
+        self.extend(tokens)
+
+    @property
+    def text(self) -> np.ndarray:
+        return self._text[: self._len]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """Append ``tokens``; index the keys that now have a following token."""
+        if self._ends is None:
+            raise RuntimeError("TextIndex.extend after freeze")
+        start, self._len = self._len, self._len + len(tokens)
+        if self._len > len(self._text):
+            self._text = np.concatenate([self._text, np.zeros(self._len, dtype=np.int64)])
+        self._text[start : self._len] = tokens
+        first = max(0, start - self.key_len)  # keys ending at start - 1 got their following token now
+        for end, key in keys_ending(self._text[first : self._len - 1], self.key_len, first):
+            ends = self._ends.setdefault(key, [])
+            ends.append(end)
+            if len(ends) > MAX_POSITIONS:
+                del ends[0]
+
+    def ends_of(self, key: tuple[int, ...]) -> list[int]:
+        return [] if self._ends is None else self._ends.get(key, [])
+
+    def freeze(self) -> None:
+        """Keep the text, drop the key index (an answer is found through its cache's)."""
+        self._ends = None
+        self._text = self._text[: self._len].copy()
+
+
+def keys_ending(tokens: np.ndarray, key_len: int, offset: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(position of its last token + ``offset``, key) for every ``key_len``-token window."""
+    values = tokens.tolist()
+    return [(offset + i + key_len - 1, tuple(values[i : i + key_len])) for i in range(len(values) - key_len + 1)]
+
+
+def match_depths(texts: list[np.ndarray], ends: list[int], context_reversed: np.ndarray) -> np.ndarray:
+    """For each (text, end): how many tokens back from ``end`` equal the context's
+    end (``context_reversed[0]`` is its last token)."""
+    depth = len(context_reversed)
+    back = np.zeros((len(ends), depth), dtype=np.int64) - 1
+    for row, (text, end) in enumerate(zip(texts, ends)):
+        piece = text[max(0, end - depth + 1) : end + 1][::-1]
+        back[row, : len(piece)] = piece
+    return np.cumprod(back == context_reversed, axis=1).sum(axis=1)
+
+
+class TextDraft(NamedTuple):
+    """What :meth:`TextCache.speculate` found (as Arctic's ``SuffixDecodingDraft``)."""
+
+    token_ids: list[int]
+    match_len: int
+
+
+class TextCache:
+    """One tenant's texts: the running requests' own, and its answers (running and
+    finished); the subset of Arctic's ``SuffixDecodingCache`` interface that
+    :class:`~vllm_fafo.suffix_tree.SuffixTrees` uses.
+
+    ``key_len``: the shortest match drafted from (the goodput controller's pool
+    drafts cover shorter ones); ``max_cached_requests`` 0 forgets an answer when its
+    request stops, -1 keeps it until :meth:`evict_cached_response`."""
+
+    def __init__(self, key_len: int, max_cached_requests: int) -> None:
+        if max_cached_requests not in (0, -1):
+            raise ValueError(f"max_cached_requests={max_cached_requests}: 0 or -1 (the bound is SuffixTrees')")
+        self.key_len = key_len
+        self.keep_answers = max_cached_requests != 0
+        self._running: dict[str, TextIndex] = {}
+        self._answers: dict[str, tuple[TextIndex, int]] = {}
+        """Request -> its text and where its answer starts in it."""
+        self._answer_ends: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+        """Key -> the latest (request, position of the key's last token) in the answers."""
+
+    @property
+    def cached_requests(self) -> dict[str, tuple[TextIndex, int]]:
+        """The requests whose answers are kept (running ones included)."""
+        return self._answers
+
+    def start_request(self, req_id: str, prompt: np.ndarray) -> None:
+        index = TextIndex(self.key_len, np.asarray(prompt, dtype=np.int64))
+        self._running[req_id] = index
+        self._answers[req_id] = (index, len(index))
+
+    def add_active_response(self, req_id: str, tokens: np.ndarray) -> None:
+        index = self._running[req_id]
+        # keys whose following token is new and in the answer
+        first = max(0, max(len(index), self._answers[req_id][1]) - self.key_len)
+        index.extend(np.asarray(tokens, dtype=np.int64))
+        for end, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
+            ends = self._answer_ends.setdefault(key, [])
+            ends.append((req_id, end))
+            if len(ends) > MAX_POSITIONS:
+                del ends[0]
+
+    def stop_request(self, req_id: str) -> None:
+        self._running.pop(req_id).freeze()
+        if not self.keep_answers:
+            self.evict_cached_response(req_id)
+
+    def evict_cached_response(self, req_id: str) -> None:
+        """Forget a request's answer (its keys' entries included)."""
+        index, answer_start = self._answers.pop(req_id)
+        first = max(0, answer_start - self.key_len)
+        for _, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
+            ends = self._answer_ends.get(key)
+            if ends is None:
+                continue
+            ends[:] = [entry for entry in ends if entry[0] != req_id]
+            if not ends:
+                del self._answer_ends[key]
+
+    def num_keys(self) -> int:
+        return len(self._answer_ends)
+
+    def speculate(self, req_id: str, context: np.ndarray, max_spec_tokens: int) -> TextDraft:
+        """The continuation (up to ``max_spec_tokens``) of the deepest match of
+        ``context``'s end, at least ``key_len`` deep, in the request's own text or the
+        kept answers; empty if none. ``context``: the request's text's last tokens, as
+        many as the deepest match looked for."""
+        own = self._running[req_id]
+        if max_spec_tokens <= 0 or len(context) < self.key_len:
+            return TextDraft([], 0)
+        key = tuple(context[-self.key_len :].tolist())
+        places = [(index.text, end) for other, end in self._answer_ends.get(key, ())
+                  if other != req_id for index in (self._answers[other][0],)]
+        places += [(own.text, end) for end in own.ends_of(key)]  # last: the own text wins ties
+        if not places:
+            return TextDraft([], 0)
+        texts, ends = zip(*places)
+        depths = match_depths(list(texts), list(ends), np.asarray(context, dtype=np.int64)[::-1])
+        best = len(depths) - 1 - int(np.argmax(depths[::-1]))
+        if depths[best] < self.key_len:  # cannot happen for equal keys; guards a changed text
+            return TextDraft([], 0)
+        start = ends[best] + 1
+        return TextDraft(texts[best][start : start + max_spec_tokens].tolist(), int(depths[best]))

@@ -49,7 +49,7 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
     ))
 
 
-def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = "pool",
+def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
             seed: int = 0) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt."""
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--history", default="128,1024,8192,65536", help="prompt tokens per request, comma-separated")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
-    parser.add_argument("--text-source", default="pool", choices=TEXT_SOURCES)
+    parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
     args = parser.parse_args()
     print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0)")
     print("| batch | history tokens | us per step | us per request-step | tau |")

@@ -79,7 +79,7 @@ def lanes_llm(model_dir):
 def pool_only_llm(model_dir):
     from .engine_utils import make_llm
 
-    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0})
+    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0, "text_source": "pool"})
 
 
 SUFFIX_TREE_SPEC = {**LANES_SPEC, "text_source": "suffix_tree"}

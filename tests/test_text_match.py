@@ -117,8 +117,9 @@ def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
 
 
 def test_config() -> None:
+    assert FafoConfig().text_source == "deep_match"
     assert longest_match(FafoConfig(text_source="deep_match")) == DEPTH
-    assert longest_match(FafoConfig()) == 4
-    assert suffix_trees(FafoConfig()) is None
+    assert longest_match(FafoConfig(text_source="pool")) == 4
+    assert suffix_trees(FafoConfig(text_source="pool")) is None
     with pytest.raises(FafoConfigError, match=r"max_key_len.*=24 with text_source 'deep_match'.*below 24"):
         FafoConfig.from_user_dict({"method": "fafo", "text_source": "deep_match", "max_key_len": 24})

@@ -87,7 +87,7 @@ class FafoConfig:
     least recently used tenants are dropped while all of them hold more."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
-    text_source: str = "pool"
+    text_source: str = "deep_match"
     """Where drafts of the decoded text come from: ``pool`` (the n-gram pool),
     ``deep_match`` (the request's own text and its tenant's answers matched up to 24
     tokens deep where that is deeper than the pool's keys, vllm_fafo.text_match; the

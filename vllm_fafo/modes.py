@@ -81,6 +81,7 @@ class LookaheadConfig:
             num_candidates=self.num_candidates,
             controller="fixed",  # the paper's W, N, G every step
             share_pool=False,  # the paper's pool is per request
+            text_source="pool",  # the paper's n-gram pool drafts the text
         )
 
 
@@ -144,6 +145,7 @@ class CacheBackConfig:
             max_tree_tokens=self.max_tree_tokens,
             controller="fixed",  # the paper's chain every step
             share_pool=False,  # the paper's pool is per request (its frozen table is shared)
+            text_source="pool",  # the paper's leaders and followers draft the text
         )
 
 

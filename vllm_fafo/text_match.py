@@ -46,7 +46,7 @@ class TextIndex:
 
     def __init__(self, key_len: int, tokens: np.ndarray) -> None:
         self.key_len = key_len
-        self._text = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._text = np.zeros(max(64, 2 * len(tokens)), dtype=np.int32)
         self._len = 0
         self._ends: dict[tuple[int, ...], list[int]] | None = {}
         """Key -> the latest positions of its last token, oldest first (None: frozen)."""
@@ -65,7 +65,7 @@ class TextIndex:
             raise RuntimeError("TextIndex.extend after freeze")
         start, self._len = self._len, self._len + len(tokens)
         if self._len > len(self._text):
-            self._text = np.concatenate([self._text, np.zeros(self._len, dtype=np.int64)])
+            self._text = np.concatenate([self._text, np.zeros(self._len, dtype=np.int32)])
         self._text[start : self._len] = tokens
         first = max(0, start - self.key_len)  # keys ending at start - 1 got their following token now
         for end, key in keys_ending(self._text[first : self._len - 1], self.key_len, first):
@@ -107,6 +107,14 @@ class TextDraft(NamedTuple):
     match_len: int
 
 
+class _Answer(NamedTuple):
+    index: TextIndex
+    start: int
+    """Where the answer starts in the request's text (after its prompt)."""
+    number: int
+    """The answer's number in its cache (packed into its places)."""
+
+
 class TextCache:
     """One tenant's texts: the running requests' own, and its answers (running and
     finished); the subset of Arctic's ``SuffixDecodingCache`` interface that
@@ -114,7 +122,12 @@ class TextCache:
 
     ``key_len``: the shortest match drafted from (the goodput controller's pool
     drafts cover shorter ones); ``max_cached_requests`` 0 forgets an answer when its
-    request stops, -1 keeps it until :meth:`evict_cached_response`."""
+    request stops, -1 keeps it until :meth:`evict_cached_response`.
+
+    The answers' places are kept compact, since a tenant keeps up to thousands of
+    answers: a key is filed under its hash (a collision shows as a match less than
+    ``key_len`` deep and is never drafted), a place is one int (the answer's number
+    and the position, packed), and a key with one place holds that int, not a list."""
 
     def __init__(self, key_len: int, max_cached_requests: int) -> None:
         if max_cached_requests not in (0, -1):
@@ -122,31 +135,42 @@ class TextCache:
         self.key_len = key_len
         self.keep_answers = max_cached_requests != 0
         self._running: dict[str, TextIndex] = {}
-        self._answers: dict[str, tuple[TextIndex, int]] = {}
-        """Request -> its text and where its answer starts in it."""
-        self._answer_ends: dict[tuple[int, ...], list[tuple[str, int]]] = {}
-        """Key -> the latest (request, position of the key's last token) in the answers."""
+        self._answers: dict[str, _Answer] = {}
+        self._numbered: dict[int, str] = {}
+        self._next_number = 0
+        self._answer_places: dict[int, int | list[int]] = {}
+        """Hash of a key -> the latest places (answer number << 32 | position of the
+        key's last token) it ended at in the answers, oldest first."""
 
     @property
-    def cached_requests(self) -> dict[str, tuple[TextIndex, int]]:
+    def cached_requests(self) -> dict[str, _Answer]:
         """The requests whose answers are kept (running ones included)."""
         return self._answers
 
     def start_request(self, req_id: str, prompt: np.ndarray) -> None:
-        index = TextIndex(self.key_len, np.asarray(prompt, dtype=np.int64))
+        index = TextIndex(self.key_len, np.asarray(prompt))
         self._running[req_id] = index
-        self._answers[req_id] = (index, len(index))
+        self._answers[req_id] = _Answer(index, len(index), self._next_number)
+        self._numbered[self._next_number] = req_id
+        self._next_number += 1
 
     def add_active_response(self, req_id: str, tokens: np.ndarray) -> None:
-        index = self._running[req_id]
+        index, answer_start, number = self._answers[req_id]
         # keys whose following token is new and in the answer
-        first = max(0, max(len(index), self._answers[req_id][1]) - self.key_len)
-        index.extend(np.asarray(tokens, dtype=np.int64))
+        first = max(0, max(len(index), answer_start) - self.key_len)
+        index.extend(np.asarray(tokens))
+        places = self._answer_places
         for end, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
-            ends = self._answer_ends.setdefault(key, [])
-            ends.append((req_id, end))
-            if len(ends) > MAX_POSITIONS:
-                del ends[0]
+            place, key_hash = number << 32 | end, hash(key)
+            held = places.get(key_hash)
+            if held is None:
+                places[key_hash] = place
+            elif isinstance(held, int):
+                places[key_hash] = [held, place]
+            else:
+                held.append(place)
+                if len(held) > MAX_POSITIONS:
+                    del held[0]
 
     def stop_request(self, req_id: str) -> None:
         self._running.pop(req_id).freeze()
@@ -154,19 +178,24 @@ class TextCache:
             self.evict_cached_response(req_id)
 
     def evict_cached_response(self, req_id: str) -> None:
-        """Forget a request's answer (its keys' entries included)."""
-        index, answer_start = self._answers.pop(req_id)
+        """Forget a request's answer (its places included)."""
+        index, answer_start, number = self._answers.pop(req_id)
+        del self._numbered[number]
+        places = self._answer_places
         first = max(0, answer_start - self.key_len)
         for _, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
-            ends = self._answer_ends.get(key)
-            if ends is None:
-                continue
-            ends[:] = [entry for entry in ends if entry[0] != req_id]
-            if not ends:
-                del self._answer_ends[key]
+            key_hash = hash(key)
+            held = places.get(key_hash)
+            if isinstance(held, int):
+                if held >> 32 == number:
+                    del places[key_hash]
+            elif held is not None:
+                held[:] = [place for place in held if place >> 32 != number]
+                if not held:
+                    del places[key_hash]
 
     def num_keys(self) -> int:
-        return len(self._answer_ends)
+        return len(self._answer_places)
 
     def speculate(self, req_id: str, context: np.ndarray, max_spec_tokens: int) -> TextDraft:
         """The continuation (up to ``max_spec_tokens``) of the deepest match of
@@ -177,15 +206,17 @@ class TextCache:
         if max_spec_tokens <= 0 or len(context) < self.key_len:
             return TextDraft([], 0)
         key = tuple(context[-self.key_len :].tolist())
-        places = [(index.text, end) for other, end in self._answer_ends.get(key, ())
-                  if other != req_id for index in (self._answers[other][0],)]
+        held = self._answer_places.get(hash(key), ())
+        own_number = self._answers[req_id].number
+        places = [(self._answers[self._numbered[place >> 32]].index.text, place & 0xFFFFFFFF)
+                  for place in ((held,) if isinstance(held, int) else held) if place >> 32 != own_number]
         places += [(own.text, end) for end in own.ends_of(key)]  # last: the own text wins ties
         if not places:
             return TextDraft([], 0)
         texts, ends = zip(*places)
         depths = match_depths(list(texts), list(ends), np.asarray(context, dtype=np.int64)[::-1])
         best = len(depths) - 1 - int(np.argmax(depths[::-1]))
-        if depths[best] < self.key_len:  # cannot happen for equal keys; guards a changed text
+        if depths[best] < self.key_len:  # an answer's key whose hash collided with this one
             return TextDraft([], 0)
         start = ends[best] + 1
         return TextDraft(texts[best][start : start + max_spec_tokens].tolist(), int(depths[best]))

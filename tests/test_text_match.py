@@ -85,13 +85,17 @@ def test_an_evicted_answer_leaves_no_key_behind() -> None:
     assert forgetting.num_keys() == 0
 
 
-def test_a_running_request_drafts_from_another_running_requests_answer() -> None:
-    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+@pytest.mark.parametrize("keep", [-1, 0])
+def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(keep: int) -> None:
+    cache = TextCache(KEY_LEN, max_cached_requests=keep)
     cache.start_request("writer", np.array([1, 2]))
     cache.add_active_response("writer", np.arange(10, 30))
     cache.start_request("reader", np.array([7, 8, 10, 11, 12, 13]))
     found = cache.speculate("reader", np.array([7, 8, 10, 11, 12, 13]), max_spec_tokens=4)
-    assert found.token_ids == [14, 15, 16, 17] and found.match_len == 4
+    if keep:
+        assert found.token_ids == [14, 15, 16, 17] and found.match_len == 4
+    else:  # no sharing (share_pool false, or no answers kept)
+        assert found.token_ids == [] and cache.num_keys() == 0
 
 
 def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:

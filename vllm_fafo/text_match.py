@@ -121,8 +121,9 @@ class TextCache:
     :class:`~vllm_fafo.suffix_tree.SuffixTrees` uses.
 
     ``key_len``: the shortest match drafted from (the goodput controller's pool
-    drafts cover shorter ones); ``max_cached_requests`` 0 forgets an answer when its
-    request stops, -1 keeps it until :meth:`evict_cached_response`.
+    drafts cover shorter ones); ``max_cached_requests`` 0: every request drafts from
+    its own text only; -1: answers are shared and kept until
+    :meth:`evict_cached_response`.
 
     The answers' places are kept compact, since a tenant keeps up to thousands of
     answers: a key is filed under its hash (a collision shows as a match less than
@@ -159,6 +160,8 @@ class TextCache:
         # keys whose following token is new and in the answer
         first = max(0, max(len(index), answer_start) - self.key_len)
         index.extend(np.asarray(tokens))
+        if not self.keep_answers:  # no sharing: not even between running requests
+            return
         places = self._answer_places
         for end, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
             place, key_hash = number << 32 | end, hash(key)

@@ -78,7 +78,14 @@ class SuffixTrees:
         :class:`~vllm_fafo.text_match.TextCache` drafting matches at least that deep
         (``text_source`` ``deep_match``), not Arctic's tree."""
         self.deep_match_key_len = deep_match_key_len
-        self._cache_class = None if deep_match_key_len else require_suffix_trees()
+        if deep_match_key_len:
+            self._new_cache = lambda keep: TextCache(deep_match_key_len, keep)
+            self._speculate = lambda cache, req_id, context, room: cache.speculate(req_id, context, room)
+        else:
+            tree_class = require_suffix_trees()
+            self._new_cache = lambda keep: tree_class(max_tree_depth=TREE_DEPTH, max_cached_requests=keep)
+            self._speculate = lambda cache, req_id, context, room: cache.speculate(
+                req_id, context, max_spec_tokens=room, max_spec_factor=MAX_SPEC_FACTOR, min_token_prob=MIN_TOKEN_PROB)
         self.cached_requests = cached_requests
         self.max_tenants = max_tenants
         self._caches: OrderedDict[str | None, Any] = OrderedDict()
@@ -92,10 +99,7 @@ class SuffixTrees:
         cache = self._caches.get(tenant)
         if cache is None:
             # Arctic's own bound is per cache: -1 (none) here, the bound over all tenants is kept below.
-            keep = -1 if self.cached_requests else 0
-            cache = self._caches[tenant] = (
-                TextCache(self.deep_match_key_len, keep) if self._cache_class is None
-                else self._cache_class(max_tree_depth=TREE_DEPTH, max_cached_requests=keep))
+            cache = self._caches[tenant] = self._new_cache(-1 if self.cached_requests else 0)
         self._caches.move_to_end(tenant)
         if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
@@ -118,11 +122,7 @@ class SuffixTrees:
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - TREE_DEPTH) : num_tokens], dtype=np.int32)
-        if self._cache_class is None:
-            found = cache.speculate(req_id, context, room)
-        else:
-            found = cache.speculate(req_id, context, max_spec_tokens=room, max_spec_factor=MAX_SPEC_FACTOR,
-                                    min_token_prob=MIN_TOKEN_PROB)
+        found = self._speculate(cache, req_id, context, room)
         tokens = list(found.token_ids)
         return tokens, (found.match_len if tokens else 0)
 

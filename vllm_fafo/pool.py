@@ -69,7 +69,9 @@ class NgramPool:
         self.capacity = capacity
         self.max_keys = max_keys  # 0: unbounded
         self.touch_on_lookup = touch_on_lookup
-        self._table: OrderedDict[Candidate, OrderedDict[Candidate, Origin]] = OrderedDict()
+        self._table: OrderedDict[Candidate, dict[Candidate, Origin]] = OrderedDict()
+        """Key -> its candidates, least recently used first (a dict keeps insertion order,
+        and a new one costs less than an OrderedDict: the pool makes one per new key)."""
 
     def __len__(self) -> int:
         """Number of keys held."""
@@ -85,20 +87,20 @@ class NgramPool:
         if not candidate:
             return
         longest = min(self.max_key_len, len(context))
+        suffix = tuple(context[len(context) - longest :])
+        table = self._table
         for key_len in range(self.min_key_len, longest + 1):
-            key = tuple(context[len(context) - key_len :])
-            entries = self._table.get(key)
+            key = suffix[longest - key_len :]
+            entries = table.get(key)
             if entries is None:
-                entries = self._table[key] = OrderedDict()
-                if self.max_keys and len(self._table) > self.max_keys:
-                    self._table.popitem(last=False)
-            else:
-                self._table.move_to_end(key)
-                if candidate in entries:
-                    entries.move_to_end(candidate)
-            entries[candidate] = origin
-            if len(entries) > self.capacity:
-                entries.popitem(last=False)
+                table[key] = {candidate: origin}
+                if self.max_keys and len(table) > self.max_keys:
+                    table.popitem(last=False)
+                continue
+            table.move_to_end(key)
+            if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
+                del entries[next(iter(entries))]  # the least recently used
+            entries[candidate] = origin  # (re)inserted last: the most recently used
 
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """Most recently used candidate under the longest matching suffix, and its origin."""
@@ -122,7 +124,7 @@ class NgramPool:
         self._table.move_to_end(key)
         candidate, origin = next(reversed(entries.items()))
         if self.touch_on_lookup:
-            entries.move_to_end(candidate)
+            entries[candidate] = entries.pop(candidate)
         return candidate, origin
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:

@@ -398,25 +398,3 @@ def test_branch_tokens_follow_what_they_earn_against_what_they_cost(name):
         assert np.mean(np.array(tree_tokens[500:]) > 0) < 0.1
     best = max(simulate_tree(machine, FixedController(MAX_DRAFT), 2000, keep_branches=keep)[0] for keep in (False, True))
     assert got >= 0.95 * best
-
-
-def test_draft_lengths_keep_the_batchs_likeliest_tokens_as_a_sort_of_all_tokens_would():
-    """The compiled choice against the whole-batch sort written out in numpy, on random
-    reach rows with ties (equal rows, equal positions) and random monotone step costs."""
-    from vllm_fafo.goodput import _keep_likeliest
-
-    rng = np.random.default_rng(5)
-    for _ in range(200):
-        requests, positions = int(rng.integers(1, 9)), int(rng.integers(1, 7))
-        reach = np.sort(rng.choice([0.0, 0.25, 0.5, 0.9, 1.0], size=(requests, positions)), axis=1)[:, ::-1].copy()
-        available = rng.integers(0, positions + 1, size=requests)
-        seconds = np.cumsum(rng.random(int(available.sum()) + 1) * rng.choice([0.0, 1.0, 10.0])) + 1.0
-        worth = np.where(np.arange(positions) < available[:, None], reach, -1.0).ravel()
-        order = np.argsort(-worth, kind="stable")
-        order = order[worth[order] >= 0]
-        gains = requests + np.concatenate([[0.0], np.cumsum(worth[order])])
-        best = int((gains / seconds).argmax())
-        lengths, got_best = _keep_likeliest(reach, available, seconds)
-        assert got_best == best
-        np.testing.assert_array_equal(lengths, np.bincount(order[:best] // positions, minlength=requests))
-        assert np.all(lengths <= available)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 
 CONTROLLERS = ("goodput", "fixed")
@@ -187,15 +186,18 @@ class YieldEstimates:
         self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
         self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
+        positions = np.arange(1, self.max_draft + 1)
         key_lens = np.minimum(np.asarray(outcome.key_lens, dtype=np.int64), self.max_key_len)
+        drafted = np.asarray(outcome.draft_lengths)[:, None]
+        accepted = np.asarray(outcome.accepted_lengths)[:, None]
         self.position_trials *= d
         self.position_hits *= d
-        _count_chains(self.position_trials, self.position_hits, key_lens, outcome.draft_lengths,
-                      outcome.accepted_lengths)
+        _count_chains(self.position_trials, self.position_hits, key_lens, drafted, accepted, positions)
         ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
         self.branch_trials *= d
         self.branch_hits *= d
-        _count_chains(self.branch_trials, self.branch_hits, ranks, outcome.branch_lengths, outcome.branch_matches)
+        _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
+                      np.asarray(outcome.branch_matches)[:, None], positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -228,10 +230,15 @@ class YieldEstimates:
         with one pseudo-trial (the rate over all drafts before the first), so a
         position seldom reached is judged like its neighbour until its own
         evidence outweighs that."""
-        rows = np.zeros(0, np.int64) if key_lens is None else np.minimum(np.asarray(key_lens, dtype=np.int64),
-                                                                          self.max_key_len)
-        reach = _reach_kernel(self.position_trials, self.position_hits, rows)
-        return reach[0] if key_lens is None else reach[1:]
+        overall = _continuation(self.position_trials.sum(axis=0), self.position_hits.sum(axis=0),
+                                np.ones(1), weight=0.25)[0]
+        if key_lens is None:
+            return np.cumprod(overall)
+        # only the key lengths this step's drafts were found under: a batch has a few
+        rows, row_of = np.unique(np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len),
+                                 return_inverse=True)
+        by_key = _continuation(self.position_trials[rows], self.position_hits[rows], overall[:1], weight=1.0)
+        return np.cumprod(by_key, axis=1)[row_of.reshape(-1)]
 
     def branch_reach_probability(self) -> np.ndarray:
         """(BRANCH_RANKS, max_draft): P(a branch's tokens 1..i all accepted | its spine
@@ -247,23 +254,12 @@ class YieldEstimates:
 
 
 def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-                  accepted: np.ndarray) -> None:
+                  accepted: np.ndarray, positions: np.ndarray) -> None:
     """Add chains (drafts or branches, one per entry of ``rows``) to their row's counts:
     a chain reached position k if it was that long and its first k - 1 tokens were
-    accepted; it hit k if its first k were."""
-    _count_chains_kernel(trials, hits, np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
-                         np.asarray(accepted, dtype=np.int64))
-
-
-@numba.njit(cache=False)
-def _count_chains_kernel(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-                         accepted: np.ndarray) -> None:
-    for chain in range(rows.shape[0]):
-        row, reached = rows[chain], min(lengths[chain], accepted[chain] + 1, trials.shape[1])
-        for position in range(reached):
-            trials[row, position] += 1.0
-        for position in range(min(accepted[chain], trials.shape[1])):
-            hits[row, position] += 1.0
+    accepted; it hit k if its first k were. ``lengths``/``accepted``: (chains, 1)."""
+    np.add.at(trials, rows, (lengths >= positions) & (accepted >= positions - 1))
+    np.add.at(hits, rows, accepted >= positions)
 
 
 def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weight: float) -> np.ndarray:
@@ -271,76 +267,23 @@ def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
     being the row's rate at the position before (``first_prior``, one per row or one
     for all, at the first).
 
-    It runs twice per decoding step, so the recurrence is compiled (numba, as vLLM's
-    ``ngram`` proposer): about 5 us where the closed form in numpy took 50-130 us per
-    call on a 2-core CPU, most of a batch-1 step's host time."""
+    The recurrence in Python floats: it runs twice per decoding step over a few rows
+    (the key lengths of the batch's drafts) of ``max_draft`` positions, where numpy's
+    cost per call, not the arithmetic, was the time (a closed form in about 17 numpy
+    calls took 50-130 us per call on a 2-core CPU, most of a batch-1 step's host time).
+    (numba would do it in microseconds, but importing it before vLLM 0.32.0's CPU
+    worker starts breaks that worker's kernel registration: llvmlite's ``ffi.lib``
+    answers ``vars()`` with a function.)"""
     trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
-    priors = np.broadcast_to(np.reshape(np.asarray(first_prior, dtype=np.float64), -1), (trials.shape[0],))
-    return _continuation_kernel(np.ascontiguousarray(trials, dtype=np.float64),
-                                np.ascontiguousarray(hits, dtype=np.float64), np.ascontiguousarray(priors),
-                                float(weight))
-
-
-@numba.njit(cache=False)
-def _continuation_kernel(trials: np.ndarray, hits: np.ndarray, priors: np.ndarray, weight: float) -> np.ndarray:
-    rates = np.empty(trials.shape)
-    for row in range(trials.shape[0]):
-        rate = priors[row]
-        for position in range(trials.shape[1]):
-            rate = (hits[row, position] + weight * rate) / (trials[row, position] + weight)
-            rates[row, position] = rate
-    return rates
-
-
-@numba.njit(cache=False)
-def _reach_kernel(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Row 0: P(positions 1..k accepted) over all drafts (continuation rates with a
-    quarter pseudo-trial, 1 before the first position); row 1 + i: the same for key
-    length ``rows[i]`` (one pseudo-trial, the overall first rate before the first)."""
-    positions = trials.shape[1]
-    overall = _continuation_kernel(trials.sum(axis=0).reshape(1, positions), hits.sum(axis=0).reshape(1, positions),
-                                   np.ones(1), 0.25)[0]
-    rates = np.empty((1 + rows.shape[0], positions))
-    rates[0] = overall
-    if rows.shape[0]:
-        rates[1:] = _continuation_kernel(trials[rows], hits[rows], np.full(rows.shape[0], overall[0]), 1.0)
-    for row in range(rates.shape[0]):
-        for position in range(1, positions):
-            rates[row, position] *= rates[row, position - 1]
-    return rates
-
-
-@numba.njit(cache=False)
-def _keep_likeliest(reach: np.ndarray, available: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, int]:
-    """Draft tokens per request: of all requests' available tokens (token k of a
-    request worth ``reach[request, k]``), the n likeliest, n maximising
-    (requests + their worth) / ``seconds[n]``; ties go to the earlier request and
-    position, so each request keeps a prefix. Returns the lengths and n."""
-    requests, positions = reach.shape
-    worth = np.full(requests * positions, -1.0)
-    for request in range(requests):
-        for position in range(available[request]):
-            worth[request * positions + position] = reach[request, position]
-    order = np.argsort(-worth, kind="mergesort")
-    gain, best, best_rate = float(requests), 0, requests / seconds[0]
-    for n in range(1, seconds.shape[0]):
-        gain += worth[order[n - 1]]
-        if gain / seconds[n] > best_rate:
-            best, best_rate = n, gain / seconds[n]
-    lengths = np.zeros(requests, np.int64)
-    for n in range(best):
-        lengths[order[n] // positions] += 1
-    return lengths, best
-
-
-def compile_kernels() -> None:
-    """Compile the controller's numba kernels now (about a second), so that the first
-    engine step, whose time the cost model learns from, does not pay for it."""
-    _continuation(np.zeros((1, 2)), np.zeros((1, 2)), np.ones(1), 1.0)
-    _count_chains(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1, np.int64), np.ones(1, np.int64),
-                  np.zeros(1, np.int64))
-    _reach_kernel(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1, np.int64))
-    _keep_likeliest(np.ones((1, 2)), np.ones(1, np.int64), np.ones(2))
+    priors = np.broadcast_to(np.reshape(first_prior, -1), (len(trials),)).tolist()
+    rates = []
+    for row_trials, row_hits, rate in zip(trials.tolist(), hits.tolist(), priors):
+        row = []
+        for tried, hit in zip(row_trials, row_hits):
+            rate = (hit + weight * rate) / (tried + weight)
+            row.append(rate)
+        rates.append(row)
+    return np.array(rates).reshape(trials.shape)
 
 
 @dataclass(frozen=True)
@@ -405,7 +348,6 @@ class GoodputController:
         probe_burst: int = 4,
         decay: float = 0.98,
     ) -> None:
-        compile_kernels()
         self.lane_len = lane_len
         self.max_draft = max_draft
         self.cost = StepCostModel()
@@ -468,12 +410,18 @@ class GoodputController:
         if not len(available) or not self.cost.has_data:
             return available
         reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
-        available = np.minimum(available, self.max_draft)
-        seconds = self.cost.predict(step_tokens + np.arange(int(available.sum()) + 1))
-        chosen, best = _keep_likeliest(reach, available, seconds)
-        probe = best == 0 and available.any() and self._draft_probe.due()
+        worth = np.where(np.arange(self.max_draft) < available[:, None], reach, -1.0).ravel()
+        order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
+        order = order[worth[order] >= 0]
+        gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
+        rates = gains / self.cost.predict(step_tokens + np.arange(len(order) + 1))
+        best = int(rates.argmax())
+        probe = best == 0 and len(order) > 0 and self._draft_probe.due()
         self._draft_probe.step(chosen=best > 0, probe=probe)
-        lengths = np.minimum(available, 1) if probe else chosen
+        if probe:
+            lengths = np.minimum(available, 1)
+        else:
+            lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
         self.last.draft_len = int(lengths.max())
         self.last.mean_draft_len = float(lengths.mean())
         return lengths

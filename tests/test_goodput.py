@@ -398,3 +398,19 @@ def test_branch_tokens_follow_what_they_earn_against_what_they_cost(name):
         assert np.mean(np.array(tree_tokens[500:]) > 0) < 0.1
     best = max(simulate_tree(machine, FixedController(MAX_DRAFT), 2000, keep_branches=keep)[0] for keep in (False, True))
     assert got >= 0.95 * best
+
+
+def test_reach_probability_of_a_batch_is_each_requests_own_row_repeats_and_order_kept():
+    """Rows are computed once per distinct key length; every request still gets the row
+    of its own key length (repeated, unsorted, and past ``max_key_len`` clipped to it)."""
+    estimates = YieldEstimates(max_draft=4, max_key_len=4, decay=0.9)
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        drafted = rng.integers(0, 5, size=6)
+        estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
+                                      draft_lengths=drafted, accepted_lengths=rng.integers(0, drafted + 1),
+                                      key_lens=rng.integers(0, 5, size=6)))
+    key_lens = np.array([3, 1, 3, 0, 9, 4, 1])
+    alone = np.stack([estimates.reach_probability(np.array([k]))[0] for k in np.minimum(key_lens, 4)])
+    np.testing.assert_array_equal(estimates.reach_probability(key_lens), alone)
+    assert len({row.tobytes() for row in alone}) == 4  # the rows differ: a wrong mapping would show

@@ -59,8 +59,9 @@ class TextIndex:
     def __len__(self) -> int:
         return self._len
 
-    def extend(self, tokens: np.ndarray) -> None:
-        """Append ``tokens``; index the keys that now have a following token."""
+    def extend(self, tokens: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
+        """Append ``tokens``; index the keys that now have a following token, and
+        return them (position of the key's last token, key)."""
         if self._ends is None:
             raise RuntimeError("TextIndex.extend after freeze")
         start, self._len = self._len, self._len + len(tokens)
@@ -68,11 +69,13 @@ class TextIndex:
             self._text = np.concatenate([self._text, np.zeros(self._len, dtype=np.int32)])
         self._text[start : self._len] = tokens
         first = max(0, start - self.key_len)  # keys ending at start - 1 got their following token now
-        for end, key in keys_ending(self._text[first : self._len - 1], self.key_len, first):
+        keys = keys_ending(self._text[first : self._len - 1], self.key_len, first)
+        for end, key in keys:
             ends = self._ends.setdefault(key, [])
             ends.append(end)
             if len(ends) > MAX_POSITIONS:
                 del ends[0]
+        return keys
 
     def ends_of(self, key: tuple[int, ...]) -> list[int]:
         return [] if self._ends is None else self._ends.get(key, [])
@@ -156,14 +159,13 @@ class TextCache:
         self._next_number += 1
 
     def add_active_response(self, req_id: str, tokens: np.ndarray) -> None:
-        index, answer_start, number = self._answers[req_id]
-        # keys whose following token is new and in the answer
-        first = max(0, max(len(index), answer_start) - self.key_len)
-        index.extend(np.asarray(tokens))
+        index, _, number = self._answers[req_id]
+        # the keys whose following token is new: in the answer, since the index holds the prompt already
+        keys = index.extend(np.asarray(tokens))
         if not self.keep_answers:  # no sharing: not even between running requests
             return
         places = self._answer_places
-        for end, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
+        for end, key in keys:
             place, key_hash = number << 32 | end, hash(key)
             held = places.get(key_hash)
             if held is None:

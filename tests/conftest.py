@@ -117,6 +117,20 @@ def tree_llm(model_dir):
     return make_llm(model_dir, TREE_SPEC)
 
 
+RUNNER_UP_SPEC = {"method": "fafo", "num_lanes": 0, "seed_from_prompt": False, "runner_up_tokens": 4,
+                  "num_candidates": 4, "num_speculative_tokens": 8, "controller": "fixed"}
+"""The target's runner-up tokens as a draft source: the prompt is not filed in the pool,
+so early drafts come from the runner-up table (spines where the pool has nothing, and
+branches at the current token); a tree, every branch run."""
+
+
+@pytest.fixture(scope="session")
+def runner_up_llm(model_dir):
+    from .engine_utils import make_llm
+
+    return make_llm(model_dir, RUNNER_UP_SPEC)
+
+
 MODE_TREE_SPECS = {
     "cacheback": {"method": "cacheback", "num_candidates": 4},
     "lookahead": {"method": "lookahead", "window": 4, "ngram": 4, "guesses": 8, "num_candidates": 4},

@@ -97,6 +97,10 @@ class FafoConfig:
     suffix_tree_cached_requests: int = 10000
     """Answers the suffix trees of all tenants together keep for later requests (the
     oldest is dropped; vLLM ``suffix``'s default); 0, or ``share_pool`` false: none."""
+    runner_up_tokens: int = 0
+    """Top next tokens kept from the target's logits at every verified position, per
+    token they follow (Token Recycling's table, vllm_fafo.runner_up), drafted from where
+    the text has no candidate and offered as tree branches; 0: off."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -205,6 +209,7 @@ class FafoConfig:
                 f"allowed: {', '.join(repr(s) for s in TEXT_SOURCES)}"
             )
         check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
+        check_int("runner_up_tokens", self.runner_up_tokens, 0, 16)
         if self.text_source == "suffix_tree":
             require_suffix_trees()
         if self.text_source == "deep_match" and self.max_key_len >= MATCH_DEPTH:
@@ -281,6 +286,6 @@ USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
-    "text_source", "suffix_tree_cached_requests",
+    "text_source", "suffix_tree_cached_requests", "runner_up_tokens",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -82,6 +82,7 @@ class LookaheadConfig:
             controller="fixed",  # the paper's W, N, G every step
             share_pool=False,  # the paper's pool is per request
             text_source="pool",  # the paper's n-gram pool drafts the text
+            runner_up_tokens=0,
         )
 
 
@@ -146,6 +147,7 @@ class CacheBackConfig:
             controller="fixed",  # the paper's chain every step
             share_pool=False,  # the paper's pool is per request (its frozen table is shared)
             text_source="pool",  # the paper's leaders and followers draft the text
+            runner_up_tokens=0,
         )
 
 

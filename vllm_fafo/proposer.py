@@ -18,6 +18,8 @@ points of vLLM's step where the information exists; in order:
    forward :meth:`~FafoProposer.take_branch_logits` takes the target's
    choices at the branch tokens and, once vLLM sampled the spines,
    :meth:`~FafoProposer.accept_branches` swaps in a branch that got further.
+   With ``runner_up_tokens`` > 0, :meth:`~FafoProposer.take_logits` files the
+   target's top next tokens at every verified position before vLLM samples.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
 6. :meth:`~FafoProposer.propose`: file new n-grams, draft from the pool
@@ -48,6 +50,7 @@ from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.metrics_export import SnapshotPublisher
 from vllm_fafo.pool import Match, NgramPool, Origin, match_pools
+from vllm_fafo.runner_up import RunnerUpTable, RunnerUpTables
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
 from vllm_fafo.suffix_tree import TREE_DEPTH, SuffixTrees
@@ -89,6 +92,9 @@ class RequestState:
     """Length of the key the last draft was found under (0: no draft)."""
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
+    runner_ups: RunnerUpTable | None = None
+    """The target's runner-up tokens of the request's tenant (or of the request alone,
+    ``share_pool`` false); None: ``runner_up_tokens`` is 0."""
 
 
 def request_pool(config: FafoConfig) -> NgramPool:
@@ -123,6 +129,16 @@ def longest_match(config: FafoConfig) -> int:
     controller keeps a row per length): the pool's key, the own text's deep match,
     or the suffix tree's match."""
     return max(config.max_key_len, TREE_DEPTH if config.text_source != "pool" else 0)
+
+
+def runner_up_tables(config: FafoConfig, vllm_config: VllmConfig) -> RunnerUpTables | None:
+    """The runner-up tables (None: ``runner_up_tokens`` 0): one per tenant, or one per
+    running request with sharing off."""
+    if not config.runner_up_tokens:
+        return None
+    return RunnerUpTables(vllm_config.model_config.get_vocab_size(), config.runner_up_tokens,
+                          config.shared_pool_tenants if config.share_pool
+                          else vllm_config.scheduler_config.max_num_seqs)
 
 
 def first_anchor(config: FafoConfig, prompt_len: int) -> int:
@@ -294,6 +310,7 @@ class FafoProposer:
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
         self.shared = shared_pools(self.config)
+        self.runner_ups = runner_up_tables(self.config, vllm_config)
         self.step: FafoStep | None = None
         self._model = None
         self.tree_enabled = self.config.num_candidates > 1
@@ -412,6 +429,33 @@ class FafoProposer:
                 first = request.start - step.branches.first_token
                 step.branch_probs[request.req_id] = sampling_probs(logits[first : first + request.num_tokens], params)
 
+    def take_logits(self, logits: torch.Tensor, input_tokens: torch.Tensor, rows_per_request: np.ndarray,
+                    req_ids: Sequence[str]) -> None:
+        """4c. vLLM is about to sample: the target's top next tokens at every position
+        it computed logits for (``rows_per_request`` rows per request of ``req_ids``, in
+        batch order), filed in the request's runner-up table under the token fed at
+        that position (``input_tokens``, one per row)."""
+        if self.runner_ups is None or self.step is None:
+            return
+        ends = np.cumsum(rows_per_request)
+        if len(req_ids) != len(rows_per_request) or ends[-1] != len(logits) or len(input_tokens) != len(logits):
+            raise RuntimeError(
+                f"vllm-fafo runner-up tokens: {len(logits)} logits rows and {len(input_tokens)} input tokens "
+                f"for {len(req_ids)} requests with {int(ends[-1])} sampled positions; vLLM's "
+                "GPUModelRunner._sample changed under this release of vllm-fafo (written against vLLM 0.32.0)"
+            )
+        if logits.shape[-1] > self.runner_ups.vocab_size:
+            raise RuntimeError(
+                f"vllm-fafo runner-up tokens: logits over {logits.shape[-1]} tokens, but the model's "
+                f"vocabulary has {self.runner_ups.vocab_size}; set runner_up_tokens to 0"
+            )
+        top = torch.topk(logits, self.config.runner_up_tokens, dim=-1).indices.to(torch.int32).cpu().numpy()
+        tokens = input_tokens.cpu().numpy()
+        for req_id, end, rows in zip(req_ids, ends.tolist(), rows_per_request.tolist()):
+            state = self._requests.get(req_id)
+            table = state.runner_ups if state is not None else self.runner_ups.table_for(self._owner(req_id))
+            table.update(tokens[end - rows : end], top[end - rows : end])
+
     def accept_branches(self, sampled_token_ids: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
         """4c. vLLM sampled the spines: where a branch got further, its tokens replace the
         row (in place) and its keys and values replace the rejected spine tokens' in the
@@ -486,6 +530,8 @@ class FafoProposer:
                 self.metrics.requests_freed += 1
             if self.suffix_trees is not None:
                 self.suffix_trees.stop(req_id)
+            if self.runner_ups is not None and not self.config.share_pool:
+                self.runner_ups.drop(req_id)
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 
@@ -503,16 +549,19 @@ class FafoProposer:
             "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
             "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
             "suffix_tree_answers": 0 if self.suffix_trees is None else self.suffix_trees.num_cached_requests(),
+            "runner_up_tables": 0 if self.runner_ups is None else len(self.runner_ups),
             "controller": self.controller.summary(),
         }
 
     def forget_shared_pool(self) -> None:
-        """Empty every tenant's shared pool, so a benchmark's runs do not learn each
-        other's answers."""
+        """Empty every tenant's shared pool (and runner-up table), so a benchmark's runs
+        do not learn each other's answers."""
         if self.shared is not None:
             self.shared.clear()
         if self.suffix_trees is not None:
             self.suffix_trees.clear()
+        if self.runner_ups is not None:
+            self.runner_ups.clear()
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -582,6 +631,7 @@ class FafoProposer:
                 state.branches = grow_branches(
                     state.pools, context, drafts[row], self.config.num_candidates - 1,
                     self.config.tree_tokens - len(drafts[row]),
+                    state.runner_ups,
                 )
         if self.tree_enabled:
             self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), [state for state, *_ in found],
@@ -689,6 +739,11 @@ class FafoProposer:
             )
 
     # Internals -----------------------------------------------------------------------
+    def _owner(self, req_id: str) -> str | None:
+        """Whose runner-up table a request files into and drafts from: its tenant's
+        (announced by begin_step, until its state is made), or its own with sharing off."""
+        return self._tenants.get(req_id) if self.config.share_pool else req_id
+
     def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
@@ -706,6 +761,8 @@ class FafoProposer:
                 pools=(request_pool(self.config), *shared),
                 prompt_len=prompt_len,
                 next_anchor=first_anchor(self.config, prompt_len),
+                runner_ups=None if self.runner_ups is None else
+                self.runner_ups.table_for(tenant if self.config.share_pool else req_id),
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1
@@ -718,11 +775,16 @@ class FafoProposer:
         """The request's draft, at most ``num_speculative_tokens`` and never past
         ``max_model_len``: its suffix tree's (``text_source`` ``suffix_tree``), its own
         text's deep match (``deep_match``) or else its pools' (:func:`chain_draft`),
-        with the length of the context it matched."""
+        with the length of the context it matched; where none has one, the chain of
+        the target's top successors (``runner_up_tokens``; matched context 0)."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         if self.suffix_trees is not None:
             found = tree_draft(self.suffix_trees, state.pools, self.frozen, req_id, history, num_tokens, room)
             if found is not None:
                 return found
         context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
-        return chain_draft(state.pools, self.frozen, context, room)
+        draft, origins, key_len = chain_draft(state.pools, self.frozen, context, room)
+        if not draft and state.runner_ups is not None:
+            draft = state.runner_ups.chain(context[-1], room)
+            origins = [Origin.RUNNER_UP] * len(draft)
+        return draft, origins, key_len

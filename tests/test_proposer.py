@@ -43,13 +43,16 @@ class FakeBatch:
         self.token_ids[row, : len(prompt)] = prompt
         self.num_tokens[row] = len(prompt)
 
-    def step(self, proposer, sampled_per_row):
+    def step(self, proposer, sampled_per_row, before_sampling=None):
+        """One step; ``before_sampling(proposer)`` runs where vLLM's runner samples."""
         for row, sampled in enumerate(sampled_per_row):
             n = self.num_tokens[row]
             self.token_ids[row, n : n + len(sampled)] = sampled
             self.num_tokens[row] += len(sampled)
         proposer.begin_step((), 0, self.scheduled_drafts, self.new_requests)
         self.new_requests = {}
+        if before_sampling is not None:
+            before_sampling(proposer)
         proposer.finish_forward(self.req_ids, None)
         drafts = proposer.propose(sampled_per_row, self.num_tokens, self.token_ids)
         self.scheduled_drafts = {req_id: draft for req_id, draft in zip(self.req_ids, drafts) if draft}

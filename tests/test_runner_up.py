@@ -72,19 +72,11 @@ def step_with_logits(batch: FakeBatch, proposer: FafoProposer, sampled: list[lis
                      inputs: list[list[int]], tops: list[list[list[int]]]) -> list[list[int]]:
     """One step whose forward fed ``inputs[r]`` for request ``r`` and whose logits there
     rank ``tops[r]`` first."""
-    for row, tokens in enumerate(sampled):
-        n = batch.num_tokens[row]
-        batch.token_ids[row, n : n + len(tokens)] = tokens
-        batch.num_tokens[row] += len(tokens)
-    proposer.begin_step((), 0, batch.scheduled_drafts, batch.new_requests)
-    batch.new_requests = {}
-    proposer.take_logits(one_hot_logits([top for request in tops for top in request]),
-                         torch.tensor([token for request in inputs for token in request]),
-                         np.array([len(request) for request in inputs]), batch.req_ids)
-    proposer.finish_forward(batch.req_ids, None)
-    drafts = proposer.propose(sampled, batch.num_tokens, batch.token_ids)
-    batch.scheduled_drafts = {req_id: draft for req_id, draft in zip(batch.req_ids, drafts) if draft}
-    return drafts
+    return batch.step(proposer, sampled, lambda p: p.take_logits(
+        one_hot_logits([top for request in tops for top in request]),
+        torch.tensor([token for request in inputs for token in request]),
+        np.array([len(request) for request in inputs]), batch.req_ids,
+    ))
 
 
 def test_rows_are_filed_under_their_requests_input_tokens_and_drafted_where_the_pool_has_nothing():

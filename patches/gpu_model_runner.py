@@ -103,16 +103,17 @@ def _take_runner_ups(runner: GPUModelRunner, drafter: FafoProposer, logits: torc
                      spec_decode_metadata: SpecDecodeMetadata | None) -> None:
     """Hand the proposer the logits vLLM is about to sample from, with the token fed at
     each row's position (``input_ids`` at vLLM's ``logits_indices``) and each request's
-    number of rows (its drafts + 1)."""
-    num_reqs = runner.input_batch.num_reqs
-    input_ids = runner.input_ids.gpu
+    number of rows (its drafts + 1). vLLM 0.32.0 builds the metadata every step of an
+    engine with a speculative config."""
     if spec_decode_metadata is None:
-        indices = torch.as_tensor(runner.query_start_loc.np[1 : num_reqs + 1] - 1, device=input_ids.device)
-        rows = np.ones(num_reqs, dtype=np.int64)
-    else:
-        indices = spec_decode_metadata.logits_indices
-        rows = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
-    drafter.take_logits(logits, input_ids[indices], rows, runner.input_batch.req_ids[:num_reqs])
+        raise RuntimeError(
+            "vllm-fafo runner-up tokens: GPUModelRunner._sample got no spec_decode_metadata in a "
+            "speculative engine; vLLM changed under this release of vllm-fafo (written against vLLM 0.32.0)"
+        )
+    num_reqs = runner.input_batch.num_reqs
+    rows = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
+    drafter.take_logits(logits, runner.input_ids.gpu[spec_decode_metadata.logits_indices], rows,
+                        runner.input_batch.req_ids[:num_reqs])
 
 
 def apply() -> None:

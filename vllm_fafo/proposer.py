@@ -453,7 +453,8 @@ class FafoProposer:
         tokens = input_tokens.cpu().numpy()
         for req_id, end, rows in zip(req_ids, ends.tolist(), rows_per_request.tolist()):
             state = self._requests.get(req_id)
-            table = state.runner_ups if state is not None else self.runner_ups.table_for(self._owner(req_id))
+            table = (state.runner_ups if state is not None
+                     else self.runner_ups.table_for(self._owner(req_id, self._tenants.get(req_id))))
             table.update(tokens[end - rows : end], top[end - rows : end])
 
     def accept_branches(self, sampled_token_ids: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
@@ -739,10 +740,10 @@ class FafoProposer:
             )
 
     # Internals -----------------------------------------------------------------------
-    def _owner(self, req_id: str) -> str | None:
-        """Whose runner-up table a request files into and drafts from: its tenant's
-        (announced by begin_step, until its state is made), or its own with sharing off."""
-        return self._tenants.get(req_id) if self.config.share_pool else req_id
+    def _owner(self, req_id: str, tenant: str | None) -> str | None:
+        """Whose runner-up table a request files into and drafts from: its tenant's, or
+        its own with sharing off."""
+        return tenant if self.config.share_pool else req_id
 
     def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
         state = self._requests.get(req_id)
@@ -762,7 +763,7 @@ class FafoProposer:
                 prompt_len=prompt_len,
                 next_anchor=first_anchor(self.config, prompt_len),
                 runner_ups=None if self.runner_ups is None else
-                self.runner_ups.table_for(tenant if self.config.share_pool else req_id),
+                self.runner_ups.table_for(self._owner(req_id, tenant)),
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1

@@ -91,7 +91,7 @@ def grow_branches(
     for node in range(len(spine)):
         room = len(spine) - node
         taken = {spine[node]}
-        candidates: Iterable[Sequence[int]] = alternatives_in(pools, text + list(spine[:node]))
+        candidates: Iterable[tuple[int, ...]] = alternatives_in(pools, text + list(spine[:node]))
         if node == 0 and runner_ups is not None:
             candidates = itertools.chain(candidates, runner_up_candidates(runner_ups, context[-1], room))
         for candidate in candidates:
@@ -99,18 +99,18 @@ def grow_branches(
                 return branches
             if candidate[0] in taken:
                 continue
-            tokens = tuple(candidate[: min(room, budget)])
+            tokens = candidate[: min(room, budget)]
             branches.append(Branch(node, tokens, rank=len(taken) - 1))
             taken.add(tokens[0])
             budget -= len(tokens)
     return branches
 
 
-def runner_up_candidates(runner_ups: RunnerUpTable, token: int, length: int) -> Iterator[list[int]]:
+def runner_up_candidates(runner_ups: RunnerUpTable, token: int, length: int) -> Iterator[tuple[int, ...]]:
     """Continuations of ``token`` starting with each of its runner-up successors (not
     the top one), each followed by its chain of top successors; at most ``length`` tokens."""
     for first in runner_ups.runner_ups(token):
-        yield [first, *runner_ups.chain(first, length - 1)]
+        yield (first, *runner_ups.chain(first, length - 1))
 
 
 def keeps_exact_with_branches(params: Any) -> bool:

@@ -57,6 +57,20 @@ BRANCH_RANKS = 8
 """Branch ranks (place among the branches off one node) with their own yields; higher
 ranks share the last row."""
 
+EXACT_EVIDENCE = 5
+"""Matched context lengths up to this many tokens (the pool's keys, the shortest deep
+match) have a row of draft yields each; longer ones share rows whose spans grow by
+half (6-7, 8-11, 12-17, 18-26, ...): a batch-1 engine sees a few hundred drafts a
+minute, too few to learn 24 rows of 16 positions apiece."""
+
+
+def evidence_rows(max_key_len: int) -> np.ndarray:
+    """Row of draft yields for each matched context length 0..``max_key_len``."""
+    lengths = np.arange(max_key_len + 1)
+    beyond = np.ceil(np.log(np.maximum(lengths, EXACT_EVIDENCE) / EXACT_EVIDENCE) / math.log(1.5) - 1e-9)
+    return np.where(lengths <= EXACT_EVIDENCE, lengths, EXACT_EVIDENCE + beyond).astype(np.int64)
+
+
 _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
 """Token counts the cost model keeps a mean for: 1 .. 131072, about 4 per doubling."""
 _LOG_GRID = np.log(_GRID)
@@ -141,9 +155,11 @@ class StepOutcome:
 
 @dataclass
 class YieldEstimates:
-    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps).
+    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps),
+    the draft yields per verified draft (a window of ~1/(1-draft_decay) drafts, so a
+    batch-1 engine keeps as much evidence as a batch-32 one).
 
-    Drafts are estimated as chains: per matched key length and position k, how
+    Drafts are estimated as chains: per matched key length (:func:`evidence_rows`) and position k, how
     often a draft that reached position k (drafted that far, the positions
     before it accepted) had it accepted. A position not tried lately is judged
     like the position before it, so drafts that run true are tried further and
@@ -155,14 +171,17 @@ class YieldEstimates:
     max_draft: int
     max_key_len: int
     decay: float = 0.98
+    draft_decay: float = 0.999
     lane_prior_tokens: float = 96.0
     """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
     lane_tokens: float = 0.0
     lane_accepted: float = 0.0
     decode_rows: float = 0.0
     text_accepted: float = 0.0
+    row_of_key_len: np.ndarray = field(init=False)
+    """Row of :attr:`position_trials` for each matched key length 0..max_key_len."""
     position_trials: np.ndarray = field(init=False)
-    """Decayed drafts that reached each position, by matched key length."""
+    """Decayed drafts that reached each position, by matched key length's row."""
     position_hits: np.ndarray = field(init=False)
     """Decayed drafts whose token at each position was accepted, by matched key length."""
     branch_prior: float = 0.5
@@ -174,7 +193,8 @@ class YieldEstimates:
     branch_hits: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        shape = (self.max_key_len + 1, self.max_draft)  # by matched key length, then position
+        self.row_of_key_len = evidence_rows(self.max_key_len)
+        shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
         self.position_trials = np.zeros(shape)
         self.position_hits = np.zeros(shape)
         self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
@@ -187,12 +207,13 @@ class YieldEstimates:
         self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
         positions = np.arange(1, self.max_draft + 1)
-        key_lens = np.minimum(np.asarray(outcome.key_lens, dtype=np.int64), self.max_key_len)
+        rows = self._rows(outcome.key_lens)
         drafted = np.asarray(outcome.draft_lengths)[:, None]
         accepted = np.asarray(outcome.accepted_lengths)[:, None]
-        self.position_trials *= d
-        self.position_hits *= d
-        _count_chains(self.position_trials, self.position_hits, key_lens, drafted, accepted, positions)
+        draft_decay = self.draft_decay ** len(drafted)
+        self.position_trials *= draft_decay
+        self.position_hits *= draft_decay
+        _count_chains(self.position_trials, self.position_hits, rows, drafted, accepted, positions)
         ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
         self.branch_trials *= d
         self.branch_hits *= d
@@ -235,10 +256,13 @@ class YieldEstimates:
         if key_lens is None:
             return np.cumprod(overall)
         # only the key lengths this step's drafts were found under: a batch has a few
-        rows, row_of = np.unique(np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len),
-                                 return_inverse=True)
+        rows, row_of = np.unique(self._rows(key_lens), return_inverse=True)
         by_key = _continuation(self.position_trials[rows], self.position_hits[rows], overall[:1], weight=1.0)
         return np.cumprod(by_key, axis=1)[row_of.reshape(-1)]
+
+    def _rows(self, key_lens: np.ndarray) -> np.ndarray:
+        """Rows of the draft yields for drafts found under ``key_lens``."""
+        return self.row_of_key_len[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
 
     def branch_reach_probability(self) -> np.ndarray:
         """(BRANCH_RANKS, max_draft): P(a branch's tokens 1..i all accepted | its spine

@@ -20,6 +20,10 @@ machine whose forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further
 draft token (what it learned on a 2-core CPU with SmolLM2, README "Draft
 length"): its cuts, the tau they leave and the simulated tokens per second.
 
+``--vllm-suffix`` adds vLLM's own ``suffix`` method replayed the same way (its
+tau equals the engine's): the reference a setting has to beat, at the same
+draft tokens per forward.
+
 Requests are replayed one after another, as the matrix's batch-1 cells send
 them (the shared pool learns from the earlier ones). Lanes and the frozen
 table are not replayed.
@@ -79,15 +83,12 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
                 draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
             if controller is not None:
                 draft = draft[: int(controller.choose_draft_lens(1, np.array([key_len]), np.array([len(draft)]))[0])]
-            accepted = 0
-            while (accepted < len(draft) and done + accepted < len(output)
-                   and draft[accepted] == output[done + accepted]):
-                accepted += 1
+            accepted = accepted_prefix(draft, output, done)
             done += min(accepted + 1, len(output) - done)
             forwards += 1
             drafted += len(draft)
             if cost_ms is not None:
-                step_s = (cost_ms[0] + (cost_ms[1] + cost_ms[2] * (len(draft) - 1) if draft else 0.0)) / 1000
+                step_s = step_seconds(cost_ms, len(draft))
                 seconds += step_s
                 controller.observe(StepOutcome(
                     tokens=1 + len(draft), seconds=step_s, lane_tokens=0, lane_accepted=0, text_accepted=accepted,
@@ -100,6 +101,52 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds  # the prefills' forwards are not priced
+    return result
+
+
+def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
+    """Draft tokens greedy verification accepts after ``output[:done]``."""
+    accepted = 0
+    while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
+        accepted += 1
+    return accepted
+
+
+def step_seconds(cost_ms: tuple[float, float, float], draft_len: int) -> float:
+    """A forward's synthetic cost with ``draft_len`` draft tokens."""
+    return (cost_ms[0] + (cost_ms[1] + cost_ms[2] * (draft_len - 1) if draft_len else 0.0)) / 1000
+
+
+def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
+                       cost_ms: tuple[float, float, float] | None = None) -> dict[str, float]:
+    """The same figures for vLLM's own ``suffix`` method, the reference to beat: Arctic
+    Inference's cache with vLLM 0.32.0's defaults (trees 24 deep, 10,000 answers kept,
+    up to 24 draft tokens, at most one per matched token, cut below an estimated 0.1),
+    fed and asked as vLLM's ``SuffixDecodingProposer`` does; its drafts are never cut
+    by a controller. (On a matrix run's batch-1 cells its tau equals the engine's.)"""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+    forwards = tokens = drafted = 0
+    seconds = 0.0
+    for index, (prompt, output) in enumerate(requests):
+        req_id, history = str(index), np.array([*prompt, *output], dtype=np.int32)
+        cache.start_request(req_id, history[: len(prompt)])
+        cache.add_active_response(req_id, history[len(prompt) : len(prompt) + 1])  # the prefill's token
+        done, forwards = 1, forwards + 1
+        while done < len(output):
+            num_tokens = len(prompt) + done
+            draft = cache.speculate(req_id, history[max(0, num_tokens - 24) : num_tokens], max_spec_tokens=24,
+                                    max_spec_factor=1.0, min_token_prob=0.1).token_ids
+            accepted = min(accepted_prefix(draft, output, done) + 1, len(output) - done)
+            cache.add_active_response(req_id, history[num_tokens : num_tokens + accepted])
+            done, forwards, drafted = done + accepted, forwards + 1, drafted + len(draft)
+            seconds += 0.0 if cost_ms is None else step_seconds(cost_ms, len(draft))
+        cache.stop_request(req_id)
+        tokens += len(output)
+    result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
+    if cost_ms is not None:
+        result["tokens_per_s"] = tokens / seconds
     return result
 
 
@@ -121,8 +168,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", required=True, help="a matrix.py --out folder with a batch-1 none cell")
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--setting", action="append", required=True,
+    parser.add_argument("--setting", action="append", default=[],
                         help='LABEL=JSON of fafo keys, e.g. k16={"num_speculative_tokens":16} (repeatable)')
+    parser.add_argument("--vllm-suffix", action="store_true",
+                        help="also replay vLLM's own suffix method (needs arctic-inference), the reference")
     parser.add_argument("--cost-ms", default=None,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
@@ -134,12 +183,16 @@ def main() -> None:
     cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
     print(f"| setting | tau (drafts {cut}) | draft tokens per forward |" + (" simulated tokens/s |" if cost_ms else ""))
     print("|---|---|---|" + ("---|" if cost_ms else ""))
+    def row(label: str, result: dict[str, float]) -> None:
+        print(f"| {label} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
+              + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
+
+    if args.vllm_suffix:
+        row("vLLM suffix (its own cuts)", replay_vllm_suffix(requests, cost_ms))
     for entry in args.setting:
         label, _, raw = entry.partition("=")
         config = FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})
-        result = replay(config, requests, cost_ms)
-        print(f"| {label} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
-              + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
+        row(label, replay(config, requests, cost_ms))
 
 
 if __name__ == "__main__":

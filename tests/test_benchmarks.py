@@ -184,6 +184,24 @@ def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
     assert replay(fresh, fresh)["tau"] > replay(fresh, fresh, share_pool=False)["tau"] == 1.0
 
 
+def test_vllm_suffix_replay_drafts_what_was_seen_no_longer_than_the_match():
+    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    replay = module.replay_vllm_suffix
+
+    prompt = list(range(100, 140))
+    copying = (prompt, prompt[:32])
+    fresh = (prompt, list(range(500, 532)))
+    assert replay([fresh]) == {"tau": 1.0, "draft_tokens_per_forward": 0.0}
+    quoted = replay([copying])  # drafted as matched: 1 token after 1 matched token, 2 after 2, ...
+    assert 1.0 < quoted["tau"] < 32 / 3
+    # vLLM keeps earlier answers: the second request drafts the first one's
+    assert replay([fresh, fresh])["tau"] > 1.0
+    # priced like the settings' replay: every forward after the prefill, here 31 without drafts
+    assert replay([fresh], cost_ms=(10.0, 1.0, 1.0))["tokens_per_s"] == pytest.approx(32 / 0.31)
+
+
 def _matrix_module():
     spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
     module = importlib.util.module_from_spec(spec)

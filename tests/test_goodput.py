@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from vllm_fafo.goodput import FixedController, GoodputController, StepCostModel, StepOutcome, YieldEstimates, make_controller
+from vllm_fafo.goodput import (
+    FixedController,
+    GoodputController,
+    StepCostModel,
+    StepOutcome,
+    YieldEstimates,
+    evidence_rows,
+    make_controller,
+)
 
 LANE_LEN = 4
 MAX_LANES = 16
@@ -417,3 +425,33 @@ def test_reach_probability_of_a_batch_is_each_requests_own_row_repeats_and_order
     alone = np.stack([estimates.reach_probability(np.array([k]))[0] for k in np.minimum(key_lens, 4)])
     np.testing.assert_array_equal(estimates.reach_probability(key_lens), alone)
     assert len({row.tobytes() for row in alone}) == 4  # the rows differ: a wrong mapping would show
+
+
+def test_evidence_rows_one_per_short_match_and_growing_spans_beyond():
+    rows = evidence_rows(24)
+    np.testing.assert_array_equal(rows[:6], np.arange(6))  # the pool's keys and the shortest deep match
+    spans = [np.flatnonzero(rows == row).tolist() for row in range(6, rows[-1] + 1)]
+    assert spans == [[6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16], list(range(17, 25))]
+    estimates = YieldEstimates(max_draft=4, max_key_len=24)
+    assert estimates.position_trials.shape == (10, 4)
+
+
+def test_draft_yields_decay_per_verified_draft_not_per_step():
+    """A step of 32 drafts weighs the evidence before it down as much as 32 steps of one
+    (at batch 1 the window holds as many drafts as at batch 32)."""
+    def outcome(drafts: int, accepted: int) -> StepOutcome:
+        return StepOutcome(tokens=drafts * 5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
+                           draft_lengths=np.full(drafts, 4), accepted_lengths=np.full(drafts, accepted),
+                           key_lens=np.ones(drafts, dtype=np.int64))
+
+    batched, serial = (YieldEstimates(max_draft=4, max_key_len=4, draft_decay=0.99) for _ in range(2))
+    for estimates in (batched, serial):
+        estimates.observe(outcome(1, 4))
+    batched.observe(outcome(32, 0))
+    for _ in range(32):
+        serial.observe(outcome(1, 0))
+    # the first draft's weight after 32 more drafts: 0.99 ** 32 either way (decayed per
+    # step it would keep 0.99 in one step of 32)
+    first_hits = 0.99 ** 32
+    np.testing.assert_allclose(batched.position_hits[1], [first_hits] * 4)
+    np.testing.assert_allclose(serial.position_hits[1], [first_hits] * 4)

@@ -59,8 +59,8 @@ ranks share the last row."""
 
 EXACT_EVIDENCE = 5
 """Matched context lengths up to this many tokens (the pool's keys, the shortest deep
-match) have a row of draft yields each; longer ones share rows whose spans grow by
-half (6-7, 8-11, 12-17, 18-26, ...): a batch-1 engine sees a few hundred drafts a
+match) have a row of draft yields each; longer ones share rows whose ends grow by
+half (6-7, 8-11, 12-16, 17-25, ...): a batch-1 engine sees a few hundred drafts a
 minute, too few to learn 24 rows of 16 positions apiece."""
 
 
@@ -172,6 +172,10 @@ class YieldEstimates:
     max_key_len: int
     decay: float = 0.98
     draft_decay: float = 0.999
+    """Per verified draft, for the draft yields (a batch of n drafts decays them by
+    draft_decay ** n). 0.9995 (2,000 drafts) once kept drafts off for good after one
+    bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (README, "Draft
+    yields kept per verified draft")."""
     lane_prior_tokens: float = 96.0
     """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
     lane_tokens: float = 0.0
@@ -183,7 +187,7 @@ class YieldEstimates:
     position_trials: np.ndarray = field(init=False)
     """Decayed drafts that reached each position, by matched key length's row."""
     position_hits: np.ndarray = field(init=False)
-    """Decayed drafts whose token at each position was accepted, by matched key length."""
+    """Decayed drafts whose token at each position was accepted, by matched key length's row."""
     branch_prior: float = 0.5
     """A branch's first token's rate before any branch ran (one pseudo-trial): optimistic,
     so branches are tried; the evidence soon outweighs it."""

@@ -49,6 +49,7 @@ from vllm_fafo.proposer import (
     suffix_trees,
     tree_draft,
 )
+from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
 
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
@@ -124,9 +125,7 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
     up to 24 draft tokens, at most one per matched token, cut below an estimated 0.1),
     fed and asked as vLLM's ``SuffixDecodingProposer`` does; its drafts are never cut
     by a controller. (On a matrix run's batch-1 cells its tau equals the engine's.)"""
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-    cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+    cache = require_suffix_trees()(max_tree_depth=TREE_DEPTH, max_cached_requests=10000)
     forwards = tokens = drafted = 0
     seconds = 0.0
     for index, (prompt, output) in enumerate(requests):
@@ -136,8 +135,9 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
         done, forwards = 1, forwards + 1
         while done < len(output):
             num_tokens = len(prompt) + done
-            draft = cache.speculate(req_id, history[max(0, num_tokens - 24) : num_tokens], max_spec_tokens=24,
-                                    max_spec_factor=1.0, min_token_prob=0.1).token_ids
+            draft = cache.speculate(req_id, history[max(0, num_tokens - TREE_DEPTH) : num_tokens],
+                                    max_spec_tokens=TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,
+                                    min_token_prob=MIN_TOKEN_PROB).token_ids
             accepted = min(accepted_prefix(draft, output, done) + 1, len(output) - done)
             cache.add_active_response(req_id, history[num_tokens : num_tokens + accepted])
             done, forwards, drafted = done + accepted, forwards + 1, drafted + len(draft)

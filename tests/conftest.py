@@ -45,9 +45,10 @@ def mtbench(plain_llm):
     return chat_prompts(plain_llm, load_prompts("mtbench", 20))
 
 
-BATCH1_PROMPTS = 10
+BATCH1_PROMPTS = 6
 """MT-Bench prompts the batch-1 identity tests decode, 128 tokens each (the suite's
-largest cost: each prompt is decoded alone by plain vLLM and by every engine)."""
+largest cost: each prompt is decoded alone by plain vLLM and by every engine; the
+concurrent tests decode 6-8 prompts of different lengths in one batch besides)."""
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +57,15 @@ def plain_batch1_tokens(plain_llm, mtbench):
     from .engine_utils import generate_one_by_one, greedy, token_ids
 
     return token_ids(generate_one_by_one(plain_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
+
+
+@pytest.fixture(scope="session")
+def plain_samples(plain_llm) -> list[list[int]]:
+    """Plain vLLM's sampled tokens (tests/test_sampling.py's ``sample``, seeds 0..): the
+    reference every sampled-distribution test compares its engine with."""
+    from .test_sampling import sample
+
+    return sample(plain_llm, seed0=0)
 
 
 LANES_SPEC = {"method": "fafo", "num_lanes": 8, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,

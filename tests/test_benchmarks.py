@@ -21,7 +21,7 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
         sys.executable, str(ROOT / "benchmarks" / "matrix.py"),
         # plain vLLM given as LABEL=JSON, to run a method's engine_args through LLM()
         "--methods", "ngram,fafo", "--method", 'none={"method":"none","engine_args":{"max_num_seqs":8}}',
-        "--datasets", "mtbench,humaneval",
+        "--datasets", "mtbench",  # (the rounds test below runs humaneval)
         "--num-prompts", "2", "--max-tokens", "16", "--max-model-len", "1024",
         "--kv-cache-mib", "128", "--out", str(out),
     ]
@@ -29,7 +29,7 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     summary = json.loads((out / "summary.json").read_text())
     rows = summary["rows"]
     assert {(r["method"], r["dataset"]) for r in rows} == {
-        (m, d) for m in ("none", "ngram", "fafo") for d in ("mtbench", "humaneval")
+        (m, "mtbench") for m in ("none", "ngram", "fafo")
     }
     for row in rows:
         assert row["identical_to_none"] is True
@@ -263,12 +263,12 @@ def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):
     out = tmp_path / "bench"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--methods", "none,fafo",
-        "--datasets", "mtbench", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
+        "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
         "--kv-cache-mib", "128", "--out", str(out), "--rounds", "2",
     ]
     subprocess.run(command, check=True, timeout=900, cwd=ROOT)
     finished = {path.parent.parent.name + "/" + path.stem: path.stat().st_mtime_ns
                 for path in out.glob("round*/cells/*.json")}
-    assert finished["round1/none__mtbench__b1"] < finished["round1/fafo__mtbench__b1"]
-    assert finished["round2/fafo__mtbench__b1"] < finished["round2/none__mtbench__b1"]
-    assert (out / "rounds.md").read_text().count("| mtbench | 1 |") == 2
+    assert finished["round1/none__humaneval__b1"] < finished["round1/fafo__humaneval__b1"]
+    assert finished["round2/fafo__humaneval__b1"] < finished["round2/none__humaneval__b1"]
+    assert (out / "rounds.md").read_text().count("| humaneval | 1 |") == 2

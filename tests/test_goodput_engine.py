@@ -13,6 +13,7 @@ import pytest
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.metrics import collect_metrics
 
+from .conftest import BATCH1_PROMPTS
 from .engine_utils import assert_concurrent_identical, assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
 from .test_sampling import MAX_BINNED_TV, MAX_TOKENS, binned_tv, sample
 
@@ -37,8 +38,8 @@ def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(plain_
 
 
 def test_batch1_identical_to_plain_with_the_controller_on(plain_batch1_tokens, goodput_llm, mtbench):
-    got = token_ids(generate_one_by_one(goodput_llm, mtbench[:8], greedy(128)))
-    assert_same_tokens(plain_batch1_tokens[:8], got)
+    got = token_ids(generate_one_by_one(goodput_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
     # Regions skip upkeep while lanes are off and are read back from the paged cache
     # when lanes run again: the engine's first lane probe (lanes never ran, so judged
     # optimistically; 16 decode steps in) did that, in this test or in the one before,
@@ -51,14 +52,13 @@ def test_concurrent_requests_identical_to_plain_with_the_controller_on(plain_llm
     assert_concurrent_identical(plain_llm, goodput_llm, mtbench[:6], first_len=48)
 
 
-def test_controller_on_samples_from_plain_vllms_distribution(plain_llm, goodput_llm):
-    reference = sample(plain_llm, seed0=0)
+def test_controller_on_samples_from_plain_vllms_distribution(plain_samples, goodput_llm):
     before = collect_metrics(goodput_llm)
     got = sample(goodput_llm, seed0=20_000)
     after = collect_metrics(goodput_llm)
     # Drafts were verified and some accepted: the rejection sampler's random path ran.
     assert sum(after["accepted_tokens"].values()) > sum(before["accepted_tokens"].values())
-    distances = [binned_tv(reference, got, pos) for pos in range(1, MAX_TOKENS)]
+    distances = [binned_tv(plain_samples, got, pos) for pos in range(1, MAX_TOKENS)]
     assert max(distances) < MAX_BINNED_TV, f"binned total variation per position: {distances}"
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from vllm_fafo.metrics import collect_metrics
 
+from .conftest import BATCH1_PROMPTS
 from .engine_utils import (
     assert_concurrent_identical,
     assert_same_tokens,
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.engine
 
 def test_batch1_identical_to_plain(mode_llm, plain_batch1_tokens, mtbench):
     name, llm = mode_llm
-    got = token_ids(generate_one_by_one(llm, mtbench[:8], greedy(128)))
-    assert_same_tokens(plain_batch1_tokens[:8], got)
+    got = token_ids(generate_one_by_one(llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
     metrics = collect_metrics(llm)
     if name == "lookahead":  # its pool holds lane n-grams only
         assert metrics["accepted_tokens"]["lane"] > 0

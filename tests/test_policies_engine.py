@@ -12,6 +12,7 @@ import pytest
 from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
 from vllm_fafo.metrics import collect_metrics
 
+from .conftest import BATCH1_PROMPTS
 from .engine_utils import (
     assert_concurrent_identical,
     assert_same_tokens,
@@ -35,8 +36,8 @@ def _selected_tokens(worker) -> int:
 
 def test_batch1_identical_to_plain(policy_llm, plain_batch1_tokens, mtbench):
     name, llm = policy_llm
-    got = token_ids(generate_one_by_one(llm, mtbench[:8], greedy(128)))
-    assert_same_tokens(plain_batch1_tokens[:8], got)
+    got = token_ids(generate_one_by_one(llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
+    assert_same_tokens(plain_batch1_tokens, got)
     assert llm.collective_rpc(_selected_tokens)[0] > 0, f"{name} never selected"
     assert collect_metrics(llm)["accepted_tokens"]["lane"] > 0
 

@@ -247,13 +247,6 @@ def profile_report(profiler: cProfile.Profile, steps: int, syncs: Counter[str]) 
 
 def run_method_cells(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # peak memory is this process's
-    import torch
-    from tqdm import tqdm
-    from vllm import LLM, SamplingParams
-
-    from vllm_fafo.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
-    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
-
     label, config = parse_method(args.child)
     spec, env, engine_args = engine_settings(config)
     os.environ.update(env)
@@ -263,7 +256,13 @@ def run_method_cells(args: argparse.Namespace) -> None:
         if args.force or not cell_path(out, label, d, b).exists()
     ]
     if not todo:
-        return
+        return  # before importing vLLM: a resumed matrix skips a finished method in seconds
+    import torch
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    from vllm_fafo.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
+    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
     if args.shape:
         model, load_format = str(shaped_model_dir(args.shape)), "dummy"
     else:

@@ -160,6 +160,31 @@ def test_continuation_rates_equal_the_recurrence_written_out():
                                _continuation(trials[:1], hits[:1], np.ones(1), 0.25)[0])
 
 
+def test_reach_tables_kept_for_the_step_follow_every_observe_and_are_read_only():
+    """The reach tables are computed once per step: asked again after an observe they
+    must be the new counts' (equal to a fresh estimate fed the same steps), never
+    the last step's, and what is handed out cannot be written into."""
+    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=1)
+    steps = [StepOutcome(draft_lengths=np.array([4, 3]), accepted_lengths=np.array([a, 1]),
+                         key_lens=np.array([1, 3]), branch_ranks=np.array([0]), branch_lengths=np.array([2]),
+                         branch_matches=np.array([a % 2]), **outcome) for a in (0, 4, 2, 3)]
+    kept = YieldEstimates(max_draft=4, max_key_len=3)
+    for done, step in enumerate(steps, start=1):
+        before = kept.reach_probability(np.array([1, 3])), kept.branch_reach_probability()
+        kept.observe(step)
+        fresh = YieldEstimates(max_draft=4, max_key_len=3)
+        for earlier in steps[:done]:
+            fresh.observe(earlier)
+        np.testing.assert_array_equal(kept.reach_probability(np.array([1, 3])), fresh.reach_probability(np.array([1, 3])))
+        np.testing.assert_array_equal(kept.reach_probability(), fresh.reach_probability())
+        np.testing.assert_array_equal(kept.branch_reach_probability(), fresh.branch_reach_probability())
+        assert not np.array_equal(before[0], kept.reach_probability(np.array([1, 3])))
+    with pytest.raises(ValueError):
+        kept.reach_probability()[0] = 1.0
+    with pytest.raises(ValueError):
+        kept.branch_reach_probability()[0, 0] = 1.0
+
+
 def test_a_position_that_failed_once_is_judged_by_the_drafts_that_reach_it_later():
     """One draft broke at position 3; afterwards drafts of 2 are always accepted. The
     position's failure fades and it is judged like position 2 again (estimating

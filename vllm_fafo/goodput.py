@@ -195,22 +195,38 @@ class YieldEstimates:
     """Decayed branches off the node where their spine stopped that reached each of
     their positions, by rank among their siblings."""
     branch_hits: np.ndarray = field(init=False)
+    _reach: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    """(over all drafts, per row) reach probabilities, until the next :meth:`observe`."""
+    _branch_reach: np.ndarray | None = field(default=None, init=False, repr=False)
+    _table_trials: np.ndarray = field(init=False, repr=False)
+    """Row 0: the trials over all drafts (summed when asked); below it, :attr:`position_trials`."""
+    _table_hits: np.ndarray = field(init=False, repr=False)
+    _table_priors: np.ndarray = field(init=False, repr=False)
+    _table_weights: np.ndarray = field(init=False, repr=False)
+    """Pseudo-trials of each row of the table: a quarter over all drafts, one per key length."""
+    _positions: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.row_of_key_len = evidence_rows(self.max_key_len)
         shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
-        self.position_trials = np.zeros(shape)
-        self.position_hits = np.zeros(shape)
+        # the reach table's rows, computed together: over all drafts, then one per key length's row
+        self._table_trials, self._table_hits = np.zeros((1 + shape[0], shape[1])), np.zeros((1 + shape[0], shape[1]))
+        self._table_priors = np.ones((1 + shape[0], 1))
+        self._table_weights = np.ones((1 + shape[0], 1))
+        self._table_weights[0] = 0.25
+        self.position_trials, self.position_hits = self._table_trials[1:], self._table_hits[1:]
         self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
         self.branch_hits = np.zeros((BRANCH_RANKS, self.max_draft))
+        self._positions = np.arange(1, self.max_draft + 1)
 
     def observe(self, outcome: StepOutcome) -> None:
+        self._reach = self._branch_reach = None
         d = self.decay
         self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
         self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
         self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
-        positions = np.arange(1, self.max_draft + 1)
+        positions = self._positions
         rows = self._rows(outcome.key_lens)
         drafted = np.asarray(outcome.draft_lengths)[:, None]
         accepted = np.asarray(outcome.accepted_lengths)[:, None]
@@ -218,11 +234,12 @@ class YieldEstimates:
         self.position_trials *= draft_decay
         self.position_hits *= draft_decay
         _count_chains(self.position_trials, self.position_hits, rows, drafted, accepted, positions)
-        ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
         self.branch_trials *= d
         self.branch_hits *= d
-        _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
-                      np.asarray(outcome.branch_matches)[:, None], positions)
+        if len(outcome.branch_ranks):
+            ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
+            _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
+                          np.asarray(outcome.branch_matches)[:, None], positions)
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -254,15 +271,19 @@ class YieldEstimates:
         quarter of a pseudo-trial (1 before the first position), per key length
         with one pseudo-trial (the rate over all drafts before the first), so a
         position seldom reached is judged like its neighbour until its own
-        evidence outweighs that."""
-        overall = _continuation(self.position_trials.sum(axis=0), self.position_hits.sum(axis=0),
-                                np.ones(1), weight=0.25)[0]
-        if key_lens is None:
-            return np.cumprod(overall)
-        # only the key lengths this step's drafts were found under: a batch has a few
-        rows, row_of = np.unique(self._rows(key_lens), return_inverse=True)
-        by_key = _continuation(self.position_trials[rows], self.position_hits[rows], overall[:1], weight=1.0)
-        return np.cumprod(by_key, axis=1)[row_of.reshape(-1)]
+        evidence outweighs that. Computed for every row once per step (the
+        estimates change only in :meth:`observe`) and read per question."""
+        if self._reach is None:
+            # over all drafts: a quarter of a pseudo-trial, prior 1; per key length: one pseudo-trial,
+            # prior the rate over all drafts at the first position
+            trials, hits = self._table_trials, self._table_hits
+            self.position_trials.sum(axis=0, out=trials[0])
+            self.position_hits.sum(axis=0, out=hits[0])
+            self._table_priors[1:] = (hits[0, 0] + 0.25) / (trials[0, 0] + 0.25)
+            reach = np.cumprod(_continuation(trials, hits, self._table_priors, self._table_weights), axis=1)
+            self._reach = _read_only(reach[0]), _read_only(reach[1:])
+        overall_reach, reach_by_row = self._reach
+        return overall_reach if key_lens is None else reach_by_row[self._rows(key_lens)]
 
     def _rows(self, key_lens: np.ndarray) -> np.ndarray:
         """Rows of the draft yields for drafts found under ``key_lens``."""
@@ -276,9 +297,17 @@ class YieldEstimates:
         ``branch_prior`` and each later one towards the position before it (one
         pseudo-trial each). With branches off, the trials decay and the rates drift
         back to the prior, so branches are tried again now and then."""
-        rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
-                              weight=1.0)
-        return np.cumprod(rates, axis=1)
+        if self._branch_reach is None:
+            rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
+                                  weight=1.0)
+            self._branch_reach = _read_only(np.cumprod(rates, axis=1))
+        return self._branch_reach
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, frozen: a table kept for the step is handed out, not copied."""
+    array.flags.writeable = False
+    return array
 
 
 def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
@@ -290,28 +319,32 @@ def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, length
     np.add.at(hits, rows, accepted >= positions)
 
 
-def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weight: float) -> np.ndarray:
+def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
+                  weight: float | np.ndarray) -> np.ndarray:
     """Per row, (hits + weight x prior) / (trials + weight) at each position, the prior
     being the row's rate at the position before (``first_prior``, one per row or one
-    for all, at the first).
+    for all, at the first); ``weight``: pseudo-trials, one for all rows or (rows, 1).
 
-    The recurrence in Python floats: it runs twice per decoding step over a few rows
-    (the key lengths of the batch's drafts) of ``max_draft`` positions, where numpy's
-    cost per call, not the arithmetic, was the time (a closed form in about 17 numpy
-    calls took 50-130 us per call on a 2-core CPU, most of a batch-1 step's host time).
-    (numba would do it in microseconds, but importing it before vLLM 0.32.0's CPU
-    worker starts breaks that worker's kernel registration: llvmlite's ``ffi.lib``
-    answers ``vars()`` with a function.)"""
+    The recurrence rate_k = a_k + b_k rate_(k-1), with a = hits / (trials + weight)
+    and b = weight / (trials + weight), in closed form per block of
+    ``_CLOSED_FORM_BLOCK`` positions: rate_k = B_k (prior + sum_(j<=k) a_j / B_j),
+    B the running product of b. A few numpy calls for the whole table (it runs
+    once per step over every row: 20 us on a 2-core CPU, where the recurrence in
+    Python floats took 60); per block, because B shrinks by up to a factor
+    trials + weight per position and must not underflow."""
     trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
-    priors = np.broadcast_to(np.reshape(first_prior, -1), (len(trials),)).tolist()
-    rates = []
-    for row_trials, row_hits, rate in zip(trials.tolist(), hits.tolist(), priors):
-        row = []
-        for tried, hit in zip(row_trials, row_hits):
-            rate = (hit + weight * rate) / (tried + weight)
-            row.append(rate)
-        rates.append(row)
-    return np.array(rates).reshape(trials.shape)
+    if trials.shape[1] > _CLOSED_FORM_BLOCK:
+        head = _continuation(trials[:, :_CLOSED_FORM_BLOCK], hits[:, :_CLOSED_FORM_BLOCK], first_prior, weight)
+        rest = _continuation(trials[:, _CLOSED_FORM_BLOCK:], hits[:, _CLOSED_FORM_BLOCK:], head[:, -1], weight)
+        return np.hstack([head, rest])
+    denominator = trials + weight
+    product = np.cumprod(weight / denominator, axis=1)
+    return product * (np.reshape(first_prior, (-1, 1)) + np.cumsum(hits / (denominator * product), axis=1))
+
+
+_CLOSED_FORM_BLOCK = 16
+"""Positions per closed-form block of :func:`_continuation`: B >= (weight / (trials +
+weight)) ** 16, above 1e-150 for up to 10 ** 9 decayed trials per position."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +418,7 @@ class GoodputController:
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
         self._spine_reach = np.zeros((0, max_draft))
+        self._draft_positions = np.arange(max_draft)
         """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
         self.last = Decision(0, max_draft, float(max_draft))
 
@@ -438,7 +472,7 @@ class GoodputController:
         if not len(available) or not self.cost.has_data:
             return available
         reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
-        worth = np.where(np.arange(self.max_draft) < available[:, None], reach, -1.0).ravel()
+        worth = np.where(self._draft_positions < available[:, None], reach, -1.0).ravel()
         order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
         order = order[worth[order] >= 0]
         gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
@@ -451,7 +485,7 @@ class GoodputController:
         else:
             lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
         self.last.draft_len = int(lengths.max())
-        self.last.mean_draft_len = float(lengths.mean())
+        self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths
 
     def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:

@@ -15,25 +15,31 @@ what the verification would cost.
         --dataset mtbench --setting 'k4={"num_speculative_tokens":4}' \\
         --setting 'k16={"num_speculative_tokens":16}'
 
-``--cost-ms 46,12,2.5`` also runs the goodput controller as at batch 1 on a
-machine whose forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further
-draft token (what it learned on a 2-core CPU with SmolLM2, README "Draft
-length"): its cuts, the tau they leave and the simulated tokens per second.
+``--cost-ms 46,12,2.5`` also runs the goodput controller on a machine whose
+forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further draft token
+(what it learned on a 2-core CPU with SmolLM2 at batch 1, README "Draft
+length") and per further request of a batch: its cuts, the tau they leave and
+the simulated tokens per second.
 
 ``--vllm-suffix`` adds vLLM's own ``suffix`` method replayed the same way (its
 tau equals the engine's): the reference a setting has to beat, at the same
 draft tokens per forward.
 
 Requests are replayed one after another, as the matrix's batch-1 cells send
-them (the shared pool learns from the earlier ones). Lanes and the frozen
-table are not replayed.
+them (the shared pool learns from the earlier ones), or ``--batch-size B`` at
+a time as vLLM schedules a batch (a new request starts when one finishes;
+every running request drafts each forward, and the controller sizes the
+batch's drafts together, as in the engine's batch-B cells). Lanes and the
+frozen table are not replayed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,57 +58,115 @@ from vllm_fafo.proposer import (
 from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
 
 
-def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
-           cost_ms: tuple[float, float, float] | None = None) -> dict[str, float]:
-    """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
-    (prompt ids, plain vLLM's output ids) pairs.
+class _Running:
+    """One request being replayed: its text (prompt + plain vLLM's output) and how far it got.
+    (A plain class: the tests load this script by path, where dataclasses cannot find its module.)"""
 
-    With ``cost_ms`` = (step, first draft token, each further draft token) the
-    goodput controller cuts the drafts as in the engine at batch 1, learning from
-    a forward that costs that much, and the simulated tokens per second are
-    reported too; without it drafts are kept whole."""
+    def __init__(self, req_id: str, history: np.ndarray, prompt_len: int, output: list[int]) -> None:
+        self.req_id = req_id
+        self.history = history  # prompt and output; read only up to the tokens decoded so far
+        self.prompt_len = prompt_len
+        self.output = output
+        self.done = 1  # output tokens decoded: the prefill's forward gave the first
+        self.pools: tuple = ()
+        self.next_anchor = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.done
+
+
+def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int) -> Iterator[tuple[str, Any]]:
+    """Run the requests ``batch_size`` at a time, in order, as vLLM schedules a batch of
+    them: a new one starts as soon as one finishes. Yields ("start", request) when a
+    request's prefill ran, ("step", running requests) per decoding forward (the caller
+    advances them), ("finish", request) when its output is complete."""
+    waiting = list(enumerate(requests))
+    running: list[_Running] = []
+    while waiting or running:
+        while waiting and len(running) < batch_size:
+            index, (prompt, output) = waiting.pop(0)
+            running.append(_Running(str(index), np.array([*prompt, *output], dtype=np.int32), len(prompt), output))
+            yield "start", running[-1]
+        decoding = [request for request in running if request.done < len(request.output)]
+        if decoding:
+            yield "step", decoding
+        for request in running:
+            if request.done >= len(request.output):
+                yield "finish", request
+        running = [request for request in running if request.done < len(request.output)]
+
+
+def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
+           cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1) -> dict[str, float]:
+    """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
+    (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
+    (:func:`scheduled`).
+
+    With ``cost_ms`` = (step, first draft token, each further token) the
+    goodput controller cuts the drafts as in the engine, learning from forwards
+    that cost that much (:func:`step_seconds`), and the simulated tokens per
+    second are reported too; without it drafts are kept whole."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
     controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match(config))
     forwards = tokens = drafted = 0
     seconds = 0.0
-    for index, (prompt, output) in enumerate(requests):
-        pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
-        history = np.array([*prompt, *output])  # read only up to the tokens decoded so far
-        next_anchor = first_anchor(config, len(prompt))
-        if trees is not None:
-            trees.start(str(index), None, history[: len(prompt)])
-        done, forwards = 1, forwards + 1  # the prefill's forward gives the first token
-        while done < len(output):
-            num_tokens = len(prompt) + done
-            next_anchor = file_new_ngrams(config, pools, history, next_anchor, num_tokens, len(prompt))
+    for event, running in scheduled(requests, batch_size):
+        if event == "start":
+            request = running
+            request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
+            request.next_anchor = first_anchor(config, request.prompt_len)
+            if trees is not None:
+                trees.start(request.req_id, None, request.history[: request.prompt_len])
+            forwards += 1  # the prefill's forward gives the first token
+            continue
+        if event == "finish":
+            if trees is not None:
+                trees.stop(running.req_id)
+            tokens += len(running.output)
+            continue
+        drafts, key_lens = [], []
+        for request in running:
+            request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
+                                                  request.num_tokens, request.prompt_len)
             draft, key_len = [], 0
             if trees is not None:
-                draft, _, key_len = tree_draft(trees, pools, None, str(index), history, num_tokens, k) or ([], [], 0)
+                draft, _, key_len = tree_draft(trees, request.pools, None, request.req_id, request.history,
+                                               request.num_tokens, k) or ([], [], 0)
             if not draft:
-                draft, _, key_len = chain_draft(pools, None, history[num_tokens - max_key_len : num_tokens].tolist(), k)
-            if controller is not None:
-                draft = draft[: int(controller.choose_draft_lens(1, np.array([key_len]), np.array([len(draft)]))[0])]
-            accepted = accepted_prefix(draft, output, done)
-            done += min(accepted + 1, len(output) - done)
-            forwards += 1
-            drafted += len(draft)
-            if cost_ms is not None:
-                step_s = step_seconds(cost_ms, len(draft))
-                seconds += step_s
-                controller.observe(StepOutcome(
-                    tokens=1 + len(draft), seconds=step_s, lane_tokens=0, lane_accepted=0, text_accepted=accepted,
-                    draft_lengths=np.array([len(draft)]), accepted_lengths=np.array([accepted]),
-                    key_lens=np.array([key_len if draft else 0]),
-                ))
-        if trees is not None:
-            trees.stop(str(index))
-        tokens += len(output)
+                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
+                draft, _, key_len = chain_draft(request.pools, None, context, k)
+            drafts.append(draft)
+            key_lens.append(key_len)
+        if controller is not None:
+            lengths = controller.choose_draft_lens(len(running), np.array(key_lens), np.array(list(map(len, drafts))))
+            drafts = [draft[:length] for draft, length in zip(drafts, lengths.tolist())]
+        accepted = [advance(request, draft) for request, draft in zip(running, drafts)]
+        forwards += len(running)
+        drafted += sum(map(len, drafts))
+        if cost_ms is not None:
+            step_s = step_seconds(cost_ms, sum(map(len, drafts)), len(running))
+            seconds += step_s
+            controller.observe(StepOutcome(
+                tokens=len(running) + sum(map(len, drafts)), seconds=step_s, lane_tokens=0, lane_accepted=0,
+                text_accepted=sum(accepted), draft_lengths=np.array(list(map(len, drafts))),
+                accepted_lengths=np.array(accepted),
+                key_lens=np.array([key_len if draft else 0 for key_len, draft in zip(key_lens, drafts)]),
+            ))
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds  # the prefills' forwards are not priced
     return result
+
+
+def advance(request: _Running, draft: list[int]) -> int:
+    """Verify ``draft`` greedily against the request's output: the accepted tokens and
+    the target's own next one are decoded. Returns the draft tokens accepted."""
+    accepted = accepted_prefix(draft, request.output, request.done)
+    request.done += min(accepted + 1, len(request.output) - request.done)
+    return accepted
 
 
 def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
@@ -113,13 +177,17 @@ def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
     return accepted
 
 
-def step_seconds(cost_ms: tuple[float, float, float], draft_len: int) -> float:
-    """A forward's synthetic cost with ``draft_len`` draft tokens."""
-    return (cost_ms[0] + (cost_ms[1] + cost_ms[2] * (draft_len - 1) if draft_len else 0.0)) / 1000
+def step_seconds(cost_ms: tuple[float, float, float], num_drafts: int, num_requests: int = 1) -> float:
+    """A forward's synthetic cost: ``cost_ms[0]`` for one request, ``cost_ms[2]`` per
+    further token (requests or drafts), ``cost_ms[1]`` instead for the step's first
+    draft token (what turns speculation on costs more than each token after it)."""
+    step, first, per_token = cost_ms
+    extra = (first + per_token * (num_drafts - 1)) if num_drafts else 0.0
+    return (step + per_token * (num_requests - 1) + extra) / 1000
 
 
 def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
-                       cost_ms: tuple[float, float, float] | None = None) -> dict[str, float]:
+                       cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1) -> dict[str, float]:
     """The same figures for vLLM's own ``suffix`` method, the reference to beat: Arctic
     Inference's cache with vLLM 0.32.0's defaults (trees 24 deep, 10,000 answers kept,
     up to 24 draft tokens, at most one per matched token, cut below an estimated 0.1),
@@ -128,22 +196,28 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
     cache = require_suffix_trees()(max_tree_depth=TREE_DEPTH, max_cached_requests=10000)
     forwards = tokens = drafted = 0
     seconds = 0.0
-    for index, (prompt, output) in enumerate(requests):
-        req_id, history = str(index), np.array([*prompt, *output], dtype=np.int32)
-        cache.start_request(req_id, history[: len(prompt)])
-        cache.add_active_response(req_id, history[len(prompt) : len(prompt) + 1])  # the prefill's token
-        done, forwards = 1, forwards + 1
-        while done < len(output):
-            num_tokens = len(prompt) + done
-            draft = cache.speculate(req_id, history[max(0, num_tokens - TREE_DEPTH) : num_tokens],
-                                    max_spec_tokens=TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,
-                                    min_token_prob=MIN_TOKEN_PROB).token_ids
-            accepted = min(accepted_prefix(draft, output, done) + 1, len(output) - done)
-            cache.add_active_response(req_id, history[num_tokens : num_tokens + accepted])
-            done, forwards, drafted = done + accepted, forwards + 1, drafted + len(draft)
-            seconds += 0.0 if cost_ms is None else step_seconds(cost_ms, len(draft))
-        cache.stop_request(req_id)
-        tokens += len(output)
+    for event, running in scheduled(requests, batch_size):
+        if event == "start":
+            request = running
+            cache.start_request(request.req_id, request.history[: request.prompt_len])
+            cache.add_active_response(request.req_id, request.history[request.prompt_len : request.num_tokens])
+            forwards += 1
+            continue
+        if event == "finish":
+            cache.stop_request(running.req_id)
+            tokens += len(running.output)
+            continue
+        drafts = [cache.speculate(request.req_id, request.history[max(0, request.num_tokens - TREE_DEPTH) :
+                                                                  request.num_tokens],
+                                  max_spec_tokens=TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,
+                                  min_token_prob=MIN_TOKEN_PROB).token_ids for request in running]
+        for request, draft in zip(running, drafts):
+            before = request.num_tokens
+            advance(request, draft)
+            cache.add_active_response(request.req_id, request.history[before : request.num_tokens])
+        forwards += len(running)
+        drafted += sum(map(len, drafts))
+        seconds += 0.0 if cost_ms is None else step_seconds(cost_ms, sum(map(len, drafts)), len(running))
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds
@@ -172,6 +246,8 @@ def main() -> None:
                         help='LABEL=JSON of fafo keys, e.g. k16={"num_speculative_tokens":16} (repeatable)')
     parser.add_argument("--vllm-suffix", action="store_true",
                         help="also replay vLLM's own suffix method (needs arctic-inference), the reference")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="requests decoded together (a new one starts as one finishes)")
     parser.add_argument("--cost-ms", default=None,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
@@ -179,7 +255,10 @@ def main() -> None:
     if cost_ms is not None and len(cost_ms) != 3:
         parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
     requests = load_requests(Path(args.cells), args.dataset)
-    print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: at least 1")
+    print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output, "
+          f"{args.batch_size} at a time")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
     print(f"| setting | tau (drafts {cut}) | draft tokens per forward |" + (" simulated tokens/s |" if cost_ms else ""))
     print("|---|---|---|" + ("---|" if cost_ms else ""))
@@ -188,11 +267,11 @@ def main() -> None:
               + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
 
     if args.vllm_suffix:
-        row("vLLM suffix (its own cuts)", replay_vllm_suffix(requests, cost_ms))
+        row("vLLM suffix (its own cuts)", replay_vllm_suffix(requests, cost_ms, args.batch_size))
     for entry in args.setting:
         label, _, raw = entry.partition("=")
         config = FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})
-        row(label, replay(config, requests, cost_ms))
+        row(label, replay(config, requests, cost_ms, args.batch_size))
 
 
 if __name__ == "__main__":

@@ -272,3 +272,36 @@ def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):
     assert finished["round1/none__humaneval__b1"] < finished["round1/fafo__humaneval__b1"]
     assert finished["round2/fafo__humaneval__b1"] < finished["round2/none__humaneval__b1"]
     assert (out / "rounds.md").read_text().count("| humaneval | 1 |") == 2
+
+
+def test_batch_replay_runs_requests_together_and_batch_1_is_one_after_another():
+    """``batch_size`` B: B requests decode together (a new one starts when one ends),
+    so a later request cannot draft from an earlier one's finished answer, only from
+    what is decoded so far; every request's tokens are counted once either way."""
+    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import numpy as np
+
+    from vllm_fafo.config import FafoConfig
+
+    rng = np.random.default_rng(5)
+    answer = rng.integers(100, 5000, size=64).tolist()
+    twins = [(rng.integers(100, 5000, size=12).tolist(), answer) for _ in range(2)]
+    events = []
+    for event, running in module.scheduled(twins * 2, batch_size=2):
+        events.append((event, [r.req_id for r in running] if event == "step" else running.req_id))
+        for request in running if event == "step" else ():
+            request.done = len(request.output)  # the whole answer in one forward
+    assert events[:3] == [("start", "0"), ("start", "1"), ("step", ["0", "1"])]
+    assert [e for e in events if e[0] == "start"] == [("start", str(i)) for i in range(4)]
+    assert sum(e[0] == "finish" for e in events) == 4
+    config = FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "num_lanes": 0})
+    one_after_another = module.replay(config, twins)
+    together = module.replay(config, twins, batch_size=2)
+    assert one_after_another == module.replay(config, twins, batch_size=1)
+    # the second twin copies the first one's finished answer one after another; together both start blind
+    assert one_after_another["tau"] > together["tau"] >= 1.0
+    suffix_together = module.replay_vllm_suffix(twins, batch_size=2)
+    assert module.replay_vllm_suffix(twins)["tau"] > suffix_together["tau"] >= 1.0
+    assert module.step_seconds((10.0, 4.0, 1.0), 3, 2) == pytest.approx((10.0 + 1.0 + 4.0 + 2.0) / 1000)

@@ -331,7 +331,9 @@ def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
     B the running product of b. A few numpy calls for the whole table (it runs
     once per step over every row: 20 us on a 2-core CPU, where the recurrence in
     Python floats took 60); per block, because B shrinks by up to a factor
-    trials + weight per position and must not underflow."""
+    trials + weight per position and must not underflow. (numba is not an option:
+    importing it before vLLM 0.32.0's CPU worker starts breaks that worker's kernel
+    registration: README, "FAFO's lanes", the proposer's host time.)"""
     trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
     if trials.shape[1] > _CLOSED_FORM_BLOCK:
         head = _continuation(trials[:, :_CLOSED_FORM_BLOCK], hits[:, :_CLOSED_FORM_BLOCK], first_prior, weight)
@@ -344,7 +346,8 @@ def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
 
 _CLOSED_FORM_BLOCK = 16
 """Positions per closed-form block of :func:`_continuation`: B >= (weight / (trials +
-weight)) ** 16, above 1e-150 for up to 10 ** 9 decayed trials per position."""
+weight)) ** 16, above 1e-155 for up to 10 ** 9 decayed trials per position at a quarter
+of a pseudo-trial (float64 goes to 1e-308)."""
 
 
 @dataclass(frozen=True)
@@ -418,8 +421,8 @@ class GoodputController:
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
         self._spine_reach = np.zeros((0, max_draft))
-        self._draft_positions = np.arange(max_draft)
         """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
+        self._draft_positions = np.arange(max_draft)
         self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------

@@ -113,9 +113,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match(config))
     forwards = tokens = drafted = 0
     seconds = 0.0
-    for event, running in scheduled(requests, batch_size):
+    for event, payload in scheduled(requests, batch_size):
         if event == "start":
-            request = running
+            request = payload
             request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
             request.next_anchor = first_anchor(config, request.prompt_len)
             if trees is not None:
@@ -124,9 +124,10 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             continue
         if event == "finish":
             if trees is not None:
-                trees.stop(running.req_id)
-            tokens += len(running.output)
+                trees.stop(payload.req_id)
+            tokens += len(payload.output)
             continue
+        running = payload
         drafts, key_lens = [], []
         for request in running:
             request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
@@ -140,19 +141,19 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
                 draft, _, key_len = chain_draft(request.pools, None, context, k)
             drafts.append(draft)
             key_lens.append(key_len)
+        draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
         if controller is not None:
-            lengths = controller.choose_draft_lens(len(running), np.array(key_lens), np.array(list(map(len, drafts))))
-            drafts = [draft[:length] for draft, length in zip(drafts, lengths.tolist())]
+            draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
+            drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
         accepted = [advance(request, draft) for request, draft in zip(running, drafts)]
         forwards += len(running)
-        drafted += sum(map(len, drafts))
+        drafted += int(draft_lens.sum())
         if cost_ms is not None:
-            step_s = step_seconds(cost_ms, sum(map(len, drafts)), len(running))
+            step_s = step_seconds(cost_ms, int(draft_lens.sum()), len(running))
             seconds += step_s
             controller.observe(StepOutcome(
-                tokens=len(running) + sum(map(len, drafts)), seconds=step_s, lane_tokens=0, lane_accepted=0,
-                text_accepted=sum(accepted), draft_lengths=np.array(list(map(len, drafts))),
-                accepted_lengths=np.array(accepted),
+                tokens=len(running) + int(draft_lens.sum()), seconds=step_s, lane_tokens=0, lane_accepted=0,
+                text_accepted=sum(accepted), draft_lengths=draft_lens, accepted_lengths=np.array(accepted),
                 key_lens=np.array([key_len if draft else 0 for key_len, draft in zip(key_lens, drafts)]),
             ))
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
@@ -196,17 +197,18 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
     cache = require_suffix_trees()(max_tree_depth=TREE_DEPTH, max_cached_requests=10000)
     forwards = tokens = drafted = 0
     seconds = 0.0
-    for event, running in scheduled(requests, batch_size):
+    for event, payload in scheduled(requests, batch_size):
         if event == "start":
-            request = running
+            request = payload
             cache.start_request(request.req_id, request.history[: request.prompt_len])
             cache.add_active_response(request.req_id, request.history[request.prompt_len : request.num_tokens])
             forwards += 1
             continue
         if event == "finish":
-            cache.stop_request(running.req_id)
-            tokens += len(running.output)
+            cache.stop_request(payload.req_id)
+            tokens += len(payload.output)
             continue
+        running = payload
         drafts = [cache.speculate(request.req_id, request.history[max(0, request.num_tokens - TREE_DEPTH) :
                                                                   request.num_tokens],
                                   max_spec_tokens=TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,

@@ -15,6 +15,14 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     out = tmp_path / "bench"
     command = [
@@ -134,9 +142,7 @@ def test_projection_combines_tau_and_step_cost(tmp_path):
 def test_pool_replay_drafts_what_the_text_repeats():
     from vllm_fafo.config import FafoConfig
 
-    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_script("replay_pool")
     replay = module.replay
 
     def config(**keys):
@@ -165,9 +171,7 @@ def test_pool_replay_drafts_what_the_text_repeats():
 def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
     from vllm_fafo.config import FafoConfig
 
-    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_script("replay_pool")
 
     def replay(*requests, **keys):
         return module.replay(FafoConfig.from_user_dict({"method": "fafo", "text_source": "suffix_tree", **keys}),
@@ -185,9 +189,7 @@ def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
 
 
 def test_vllm_suffix_replay_drafts_what_was_seen_no_longer_than_the_match():
-    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_script("replay_pool")
     replay = module.replay_vllm_suffix
 
     prompt = list(range(100, 140))
@@ -203,10 +205,7 @@ def test_vllm_suffix_replay_drafts_what_was_seen_no_longer_than_the_match():
 
 
 def _matrix_module():
-    spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("matrix")
 
 
 def test_rounds_table_takes_medians_of_rates_and_of_ratios_within_each_round():
@@ -278,9 +277,7 @@ def test_batch_replay_runs_requests_together_and_batch_1_is_one_after_another():
     """``batch_size`` B: B requests decode together (a new one starts when one ends),
     so a later request cannot draft from an earlier one's finished answer, only from
     what is decoded so far; every request's tokens are counted once either way."""
-    spec = importlib.util.spec_from_file_location("replay_pool", ROOT / "benchmarks" / "replay_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_script("replay_pool")
     import numpy as np
 
     from vllm_fafo.config import FafoConfig

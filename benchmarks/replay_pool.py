@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.goodput import GoodputController, StepOutcome
 from vllm_fafo.proposer import (
     chain_draft,
@@ -111,6 +112,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
     controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match(config))
+    judge = DraftJudge(k)
     forwards = tokens = drafted = 0
     seconds = 0.0
     for event, payload in scheduled(requests, batch_size):
@@ -125,6 +127,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         if event == "finish":
             if trees is not None:
                 trees.stop(payload.req_id)
+            judge.forget([payload.req_id])
             tokens += len(payload.output)
             continue
         running = payload
@@ -142,6 +145,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             drafts.append(draft)
             key_lens.append(key_len)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
+        judge.add([request.req_id for request in running], [request.num_tokens for request in running], drafts,
+                  key_lens)
         if controller is not None:
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
@@ -151,15 +156,26 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         if cost_ms is not None:
             step_s = step_seconds(cost_ms, int(draft_lens.sum()), len(running))
             seconds += step_s
+            judged = judge.judge({request.req_id: row for row, request in enumerate(running)},
+                                 np.array([request.num_tokens for request in running]), _stacked(running))
             controller.observe(StepOutcome(
                 tokens=len(running) + int(draft_lens.sum()), seconds=step_s, lane_tokens=0, lane_accepted=0,
-                text_accepted=sum(accepted), draft_lengths=draft_lens, accepted_lengths=np.array(accepted),
-                key_lens=np.array([key_len if draft else 0 for key_len, draft in zip(key_lens, drafts)]),
+                text_accepted=sum(accepted), decoding_requests=len(running), draft_lengths=judged[0],
+                accepted_lengths=judged[1], key_lens=judged[2],
             ))
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds  # the prefills' forwards are not priced
     return result
+
+
+def _stacked(running: list[_Running]) -> np.ndarray:
+    """The running requests' texts as rows of one array, as vLLM keeps its batch's
+    (padded; a row is read only up to its request's tokens decoded so far)."""
+    token_ids = np.zeros((len(running), max(len(request.history) for request in running)), dtype=np.int32)
+    for row, request in enumerate(running):
+        token_ids[row, : len(request.history)] = request.history
+    return token_ids
 
 
 def advance(request: _Running, draft: list[int]) -> int:

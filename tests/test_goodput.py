@@ -73,8 +73,9 @@ def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None =
         lane_tokens = lanes * LANE_LEN * r
         n = real + lane_tokens
         seconds = float(machine.cost(n))
-        # Acceptance: geometric per position, capped by the draft length.
-        accepted = np.minimum(rng.geometric(1 - accept) - 1, draft_lens)
+        # Acceptance: geometric per position; the judge sees whole drafts, vLLM the cut ones.
+        matched = np.minimum(rng.geometric(1 - accept) - 1, MAX_DRAFT)
+        accepted = np.minimum(matched, draft_lens)
         lane_accepted = int(owed_lane_tokens)  # whole tokens; the fraction is owed on
         owed_lane_tokens += lane_tokens * machine.lane_yield - lane_accepted
         produced = r + int(accepted.sum()) + lane_accepted
@@ -82,7 +83,8 @@ def simulate(machine: Machine, controller, steps: int, fixed_lanes: int | None =
         seconds_total += seconds
         controller.observe(StepOutcome(
             tokens=n, seconds=seconds, lane_tokens=lane_tokens, lane_accepted=lane_accepted,
-            text_accepted=int(accepted.sum()), draft_lengths=draft_lens, accepted_lengths=accepted, key_lens=key_lens,
+            text_accepted=int(accepted.sum()), decoding_requests=r, draft_lengths=np.full(r, MAX_DRAFT),
+            accepted_lengths=matched, key_lens=key_lens,
         ))
         undrafted = r + lane_tokens
         available = np.full(r, MAX_DRAFT)
@@ -121,7 +123,7 @@ def test_cost_model_follows_a_change_in_a_few_steps():
 
 def test_reach_probability_chains_continuation_rates_and_is_optimistic_where_untried():
     estimates = YieldEstimates(max_draft=4, max_key_len=4, decay=1.0, draft_decay=1.0)
-    estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=5,
+    estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=5, decoding_requests=4,
                                   draft_lengths=np.array([2, 2, 2, 2]), accepted_lengths=np.array([0, 1, 2, 2]),
                                   key_lens=np.array([1, 1, 3, 3])))
     # Position 1: 4 drafts reached it, 3 accepted; position 2: 3 reached it, 2 accepted; nothing further.
@@ -164,7 +166,7 @@ def test_reach_tables_kept_for_the_step_follow_every_observe_and_are_read_only()
     """The reach tables are computed once per step: asked again after an observe they
     must be the new counts' (equal to a fresh estimate fed the same steps), never
     the last step's, and what is handed out cannot be written into."""
-    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=1)
+    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=1, decoding_requests=2)
     steps = [StepOutcome(draft_lengths=np.array([4, 3]), accepted_lengths=np.array([a, 1]),
                          key_lens=np.array([1, 3]), branch_ranks=np.array([0]), branch_lengths=np.array([2]),
                          branch_matches=np.array([a % 2]), **outcome) for a in (0, 4, 2, 3)]
@@ -190,7 +192,8 @@ def test_a_position_that_failed_once_is_judged_by_the_drafts_that_reach_it_later
     position's failure fades and it is judged like position 2 again (estimating
     P(reach 3 | drafted 3) directly would keep it at 0: its trials and hits decay alike)."""
     estimates = YieldEstimates(max_draft=4, max_key_len=1, draft_decay=0.95)
-    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=2, key_lens=np.array([1]))
+    outcome = dict(tokens=5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=2, decoding_requests=1,
+                   key_lens=np.array([1]))
     estimates.observe(StepOutcome(draft_lengths=np.array([4]), accepted_lengths=np.array([2]), **outcome))
     for _ in range(100):
         estimates.observe(StepOutcome(draft_lengths=np.array([2]), accepted_lengths=np.array([2]), **outcome))
@@ -244,7 +247,7 @@ def lane_step(lane_tokens: int, lane_accepted: int) -> StepOutcome:
     """A step of one request that ran lanes and drafted nothing."""
     none = np.zeros(1, dtype=np.int64)
     return StepOutcome(tokens=1 + lane_tokens, seconds=0.02, lane_tokens=lane_tokens, lane_accepted=lane_accepted,
-                       text_accepted=0, draft_lengths=none, accepted_lengths=none, key_lens=none)
+                       text_accepted=0, decoding_requests=1, draft_lengths=none, accepted_lengths=none, key_lens=none)
 
 
 def test_one_lucky_probe_does_not_make_lanes_look_paying_but_steady_evidence_does():
@@ -372,7 +375,8 @@ def simulate_tree(machine: TreeMachine, controller, steps: int, keep_branches: b
         seconds_total += seconds
         controller.observe(StepOutcome(
             tokens=1 + MAX_DRAFT + int(kept.sum()), seconds=seconds, lane_tokens=0, lane_accepted=0,
-            text_accepted=accepted, draft_lengths=np.array([MAX_DRAFT]), accepted_lengths=np.array([accepted]),
+            text_accepted=accepted, decoding_requests=1, draft_lengths=np.array([MAX_DRAFT]),
+            accepted_lengths=np.array([accepted]),
             key_lens=key_lens, tree_tokens=int(kept.sum()), branch_ranks=grown.ranks[trials], branch_lengths=kept[trials],
             branch_matches=matches[trials],
         ))
@@ -404,7 +408,7 @@ def test_branch_yields_are_learned_per_rank_off_the_node_where_the_spine_stopped
     estimates = YieldEstimates(max_draft=4, max_key_len=1, decay=1.0)
     none = np.zeros(0, np.int64)
     estimates.observe(StepOutcome(tokens=9, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
-                                  draft_lengths=none, accepted_lengths=none, key_lens=none,
+                                  decoding_requests=1, draft_lengths=none, accepted_lengths=none, key_lens=none,
                                   branch_ranks=np.array([0, 0, 1]), branch_lengths=np.array([3, 2, 2]),
                                   branch_matches=np.array([3, 1, 0])))
     prior = estimates.branch_prior
@@ -444,7 +448,7 @@ def test_reach_probability_of_a_batch_is_each_requests_own_row_repeats_and_order
     for _ in range(30):
         drafted = rng.integers(0, 5, size=6)
         estimates.observe(StepOutcome(tokens=12, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
-                                      draft_lengths=drafted, accepted_lengths=rng.integers(0, drafted + 1),
+                                      decoding_requests=6, draft_lengths=drafted, accepted_lengths=rng.integers(0, drafted + 1),
                                       key_lens=rng.integers(0, 5, size=6)))
     key_lens = np.array([3, 1, 3, 0, 9, 4, 1])
     alone = np.stack([estimates.reach_probability(np.array([k]))[0] for k in np.minimum(key_lens, 4)])
@@ -466,7 +470,7 @@ def test_draft_yields_decay_per_verified_draft_not_per_step():
     (at batch 1 the window holds as many drafts as at batch 32)."""
     def outcome(drafts: int, accepted: int) -> StepOutcome:
         return StepOutcome(tokens=drafts * 5, seconds=0.01, lane_tokens=0, lane_accepted=0, text_accepted=0,
-                           draft_lengths=np.full(drafts, 4), accepted_lengths=np.full(drafts, accepted),
+                           decoding_requests=drafts, draft_lengths=np.full(drafts, 4), accepted_lengths=np.full(drafts, accepted),
                            key_lens=np.ones(drafts, dtype=np.int64))
 
     batched, serial = (YieldEstimates(max_draft=4, max_key_len=4, draft_decay=0.99) for _ in range(2))

@@ -143,9 +143,11 @@ class StepOutcome:
     lane_tokens: int
     lane_accepted: int  # accepted tokens whose candidate a lane filed
     text_accepted: int  # accepted tokens from the prompt's and output's n-grams
-    draft_lengths: np.ndarray  # the verified drafts, one entry per decoding request
-    accepted_lengths: np.ndarray  # their accepted prefixes
-    key_lens: np.ndarray  # length of the key each verified draft was found under (0: none)
+    decoding_requests: int  # requests that decoded a token this step
+    # the drafts judged this step (vllm_fafo.draft_judge: found drafts, whole, against the text):
+    draft_lengths: np.ndarray  # their tokens
+    accepted_lengths: np.ndarray  # their tokens the text matched from the first on
+    key_lens: np.ndarray  # length of the key each was found under (0: none)
     tree_tokens: int = 0  # draft-tree branch tokens in the forward
     # draft-tree branches off the node where their spine stopped, one entry each:
     branch_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # place among siblings
@@ -156,12 +158,13 @@ class StepOutcome:
 @dataclass
 class YieldEstimates:
     """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps),
-    the draft yields per verified draft (a window of ~1/(1-draft_decay) drafts, so a
+    the draft yields per judged draft (a window of ~1/(1-draft_decay) drafts, so a
     batch-1 engine keeps as much evidence as a batch-32 one).
 
     Drafts are estimated as chains: per matched key length (:func:`evidence_rows`) and position k, how
-    often a draft that reached position k (drafted that far, the positions
-    before it accepted) had it accepted. A position not tried lately is judged
+    often a draft that reached position k (found that long, the positions
+    before it matched) had it matched, every found draft judged whole against
+    the text (vllm_fafo.draft_judge), however much of it was verified. A position not tried lately is judged
     like the position before it, so drafts that run true are tried further and
     drafts that break early are not. (Estimating P(reach k | drafted k)
     directly, as before, trapped the controller: a position that did badly
@@ -172,7 +175,7 @@ class YieldEstimates:
     max_key_len: int
     decay: float = 0.98
     draft_decay: float = 0.999
-    """Per verified draft, for the draft yields (a batch of n drafts decays them by
+    """Per judged draft, for the draft yields (a batch of n drafts decays them by
     draft_decay ** n). 0.9995 (2,000 drafts) once kept drafts off for good after one
     bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (README, "Draft
     yields kept per verified draft")."""
@@ -224,7 +227,7 @@ class YieldEstimates:
         d = self.decay
         self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
         self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
-        self.decode_rows = d * self.decode_rows + len(outcome.draft_lengths)
+        self.decode_rows = d * self.decode_rows + outcome.decoding_requests
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
         positions = self._positions
         rows = self._rows(outcome.key_lens)

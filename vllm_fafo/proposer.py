@@ -22,7 +22,9 @@ points of vLLM's step where the information exists; in order:
    target's top next tokens at every verified position before vLLM samples.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
-6. :meth:`~FafoProposer.propose`: file new n-grams, draft from the pool
+6. :meth:`~FafoProposer.propose`: judge earlier drafts against the text
+   (:class:`~vllm_fafo.draft_judge.DraftJudge`, what the controller learns
+   from), file new n-grams, draft from the pool, cut the drafts to what pays
    (and grow the next step's branches); the step ends.
 
 Per step and request the work is bounded by the tokens accepted this step
@@ -43,6 +45,7 @@ from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
+from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.frozen_table import load_table
 from vllm_fafo.fumble import BatchView, FumbleLanes
 from vllm_fafo.goodput import BranchSet, StepOutcome, make_controller
@@ -88,8 +91,6 @@ class RequestState:
     """First history position whose following n-gram is not filed yet."""
     last_draft_origins: list[Origin] = field(default_factory=list)
     """Where each token of the last draft came from."""
-    last_key_len: int = 0
-    """Length of the key the last draft was found under (0: no draft)."""
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
     runner_ups: RunnerUpTable | None = None
@@ -303,6 +304,8 @@ class FafoProposer:
         self.suffix_trees = suffix_trees(self.config)
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           longest_match(self.config))
+        self.judge = DraftJudge(self.num_speculative_tokens)
+        """Every found draft, judged against the text: what the controller learns draft yields from."""
         self._last_log = time.monotonic()
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()
@@ -533,6 +536,7 @@ class FafoProposer:
                 self.suffix_trees.stop(req_id)
             if self.runner_ups is not None and not self.config.share_pool:
                 self.runner_ups.drop(req_id)
+        self.judge.forget(req_ids)
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 
@@ -586,9 +590,8 @@ class FafoProposer:
             )
         self.metrics.propose_calls += 1
         num_rows = len(sampled_token_ids)
-        drafted, accepted, key_lens = (np.zeros(num_rows, np.int64) for _ in range(3))
-        decoding = np.zeros(num_rows, dtype=bool)
-        lane_accepted = 0
+        decoding_rows: dict[str, int] = {}  # by request id, in row order
+        accepted = lane_accepted = 0
         found: list[tuple[RequestState, list[int], list[Origin], int]] = []
         contexts: list[list[int]] = []
         for row, sampled in enumerate(sampled_token_ids):
@@ -604,9 +607,8 @@ class FafoProposer:
             spine_accepted = min(len(sampled) - 1, verified) if win is None else win[0]
             accepted_origins = state.last_draft_origins[:spine_accepted]
             self.metrics.record_acceptance(accepted_origins)
-            decoding[row] = True
-            drafted[row], accepted[row] = verified, len(accepted_origins)
-            key_lens[row] = state.last_key_len
+            decoding_rows[req_ids[row]] = row
+            accepted += len(accepted_origins)
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             state.next_anchor = file_new_ngrams(self.config, state.pools, history, state.next_anchor, num_tokens,
                                                 state.prompt_len)
@@ -614,19 +616,22 @@ class FafoProposer:
             contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
         if self.shared is not None:
             self.shared.trim()
-        self._learn(step, drafted[decoding], accepted[decoding], key_lens[decoding], lane_accepted)
+        self._learn(step, len(decoding_rows), accepted, lane_accepted,
+                    self.judge.judge(decoding_rows, num_tokens_no_spec, token_ids_cpu))
+        decoding = np.fromiter(decoding_rows.values(), dtype=np.int64, count=len(decoding_rows))
+        key_lens = np.array([key_len for *_, key_len in found], dtype=np.int64)
+        self.judge.add(list(decoding_rows), num_tokens_no_spec[decoding], [draft for _, draft, _, _ in found],
+                       key_lens)
         lengths = self.controller.choose_draft_lens(
-            self._undrafted_tokens(step),
-            np.array([key_len for *_, key_len in found], dtype=np.int64),
+            self._undrafted_tokens(step), key_lens,
             np.array([len(draft) for _, draft, _, _ in found], dtype=np.int64),
         )
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
-        for row, (state, draft, origins, key_len), context, length in zip(
-            np.flatnonzero(decoding), found, contexts, lengths.tolist()
+        for row, (state, draft, origins, _), context, length in zip(
+            decoding.tolist(), found, contexts, lengths.tolist()
         ):
             drafts[row] = draft[:length]
             state.last_draft_origins = origins[:length]
-            state.last_key_len = key_len if length else 0
             self.metrics.record_draft(state.last_draft_origins)
             if self.tree_enabled and req_ids[row] in step.tree_eligible:
                 state.branches = grow_branches(
@@ -700,9 +705,11 @@ class FafoProposer:
         drafts = sum(map(len, step.scheduled_spec_tokens.values()))
         return step.num_scheduled_tokens - drafts + step.tail_tokens
 
-    def _learn(self, step: FafoStep, drafted: np.ndarray, accepted: np.ndarray, key_lens: np.ndarray,
-               lane_accepted: int) -> None:
-        """Feed the controller this step's cost and yields; log its state now and then."""
+    def _learn(self, step: FafoStep, decoding_requests: int, accepted: int, lane_accepted: int,
+               judged: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Feed the controller this step's cost and yields (``accepted``: draft tokens vLLM
+        accepted, of ``decoding_requests``; ``judged``: the drafts the text decided this step, :class:`DraftJudge`);
+        log its state now and then."""
         seconds = time.perf_counter() - step.started
         if self._step_time is not None:
             seconds = self._step_time.share(seconds)
@@ -712,10 +719,11 @@ class FafoProposer:
             seconds=seconds,
             lane_tokens=step.lane_tokens,
             lane_accepted=lane_accepted,
-            text_accepted=int(accepted.sum()) - lane_accepted,
-            draft_lengths=drafted,
-            accepted_lengths=accepted,
-            key_lens=key_lens,
+            text_accepted=accepted - lane_accepted,
+            decoding_requests=decoding_requests,
+            draft_lengths=judged[0],
+            accepted_lengths=judged[1],
+            key_lens=judged[2],
             tree_tokens=0 if step.branches is None else step.branches.num_tokens,
             branch_ranks=trials[:, 0],
             branch_lengths=trials[:, 1],

@@ -29,12 +29,14 @@ tokens are free on this machine every request drafts up to
 ``num_speculative_tokens``.
 
 Exploration: the cost model extrapolates flat past the largest token count it
-has seen (so untried sizes look cheap and get tried once), and with lanes or
-drafts off the controller probes them (the most lanes it prices at no more
-than twice the plain step, for ``probe_burst`` steps; one draft token) after
-``probe_interval`` steps, doubling the interval after each probe that did not pay (bounded by
-``max_probe_interval``), so a change in cost or acceptance is followed within
-a bounded number of steps at a cost amortised to a few percent. A lane probe
+has seen (so untried sizes look cheap and get tried once). Draft yields need
+no probing: every found draft is judged against the text, drafted or not
+(vllm_fafo.draft_judge). With lanes off the controller probes them (the most
+lanes it prices at no more than twice the plain step, for ``probe_burst``
+steps) after ``probe_interval`` steps, doubling the interval after each probe
+that did not pay (bounded by ``max_probe_interval``), so a change in cost or
+lane yield is followed within a bounded number of steps at a cost amortised
+to a few percent. A lane probe
 runs only where its lanes could pay at the lane yield last measured (before
 any lane ran: always), or once lanes were off for ``max_probe_interval``
 steps: on a machine where lane tokens cost more than they ever earned, the
@@ -420,7 +422,6 @@ class GoodputController:
         self.cost = StepCostModel()
         self.yields = YieldEstimates(max_draft, max_key_len, decay)
         self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
-        self._draft_probe = _Probe(probe_interval, max_probe_interval)
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
         self._spine_reach = np.zeros((0, max_draft))
@@ -484,12 +485,7 @@ class GoodputController:
         gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
         rates = gains / self.cost.predict(step_tokens + np.arange(len(order) + 1))
         best = int(rates.argmax())
-        probe = best == 0 and len(order) > 0 and self._draft_probe.due()
-        self._draft_probe.step(chosen=best > 0, probe=probe)
-        if probe:
-            lengths = np.minimum(available, 1)
-        else:
-            lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
+        lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
         self.last.draft_len = int(lengths.max())
         self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths

@@ -21,7 +21,6 @@ a few steps after it was found.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -95,7 +94,7 @@ class DraftJudge:
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop the queued drafts of finished or aborted requests (their text will not go on)."""
-        slots = [slot for slot in map(self._slots.pop, req_ids, repeat(None)) if slot is not None]
+        slots = [self._slots.pop(req_id) for req_id in req_ids if req_id in self._slots]
         if slots:
             self._free_slots += slots
             self._keep(~np.isin(self._table[: self._count, _OWNER], slots))

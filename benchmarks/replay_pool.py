@@ -145,9 +145,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             drafts.append(draft)
             key_lens.append(key_len)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
-        judge.add([request.req_id for request in running], [request.num_tokens for request in running], drafts,
-                  key_lens)
         if controller is not None:
+            judge.add([request.req_id for request in running], [request.num_tokens for request in running], drafts,
+                      key_lens)
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
         accepted = [advance(request, draft) for request, draft in zip(running, drafts)]

@@ -54,9 +54,9 @@ class DraftJudge:
         found = [i for i, draft in enumerate(drafts) if draft]
         if not found:
             return
-        if max(len(drafts[i]) for i in found) > self.max_draft:
-            raise ValueError(f"a draft of {max(len(drafts[i]) for i in found)} tokens; the judge holds at most "
-                             f"{self.max_draft}")
+        longest = max(len(drafts[i]) for i in found)
+        if longest > self.max_draft:
+            raise ValueError(f"a draft of {longest} tokens; the judge holds at most {self.max_draft}")
         if self._count + len(found) > len(self._table):
             self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(found)])])
         block = self._table[self._count : self._count + len(found)]

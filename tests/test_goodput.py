@@ -302,6 +302,34 @@ def test_drafts_found_under_longer_keys_run_longer_when_tokens_cost():
     assert got > 1.02 * best_fixed(machine, 3000)
 
 
+def test_tokens_past_twice_the_matched_context_run_only_where_they_cost_little():
+    # Under 1-token and 2-token keys alike, 3 drafts in 5 are right to their end and the
+    # rest wrong from their first token: every position's reach is 0.6. Positions 3-4
+    # of a 1-token key's draft are worth a quarter of it (DRAFT_PER_MATCHED_TOKEN = 2),
+    # those of a 2-token key's all of it.
+    def trained(cost: Callable[[np.ndarray], np.ndarray]) -> GoodputController:
+        controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+        for step in range(200):
+            tokens = 1 + step % 12  # the cost curve sees 1..12 tokens
+            controller.observe(StepOutcome(
+                tokens=tokens, seconds=float(cost(tokens)), lane_tokens=0, lane_accepted=0, text_accepted=0,
+                decoding_requests=1, draft_lengths=np.full(10, MAX_DRAFT),
+                accepted_lengths=np.where(np.arange(10) % 5 < 3, MAX_DRAFT, 0), key_lens=np.repeat([1, 2], 5)))
+        return controller
+
+    # A token costs a fifth of a step: a 1-token key's draft stops at 2 tokens, worth
+    # 1 + 1.2 per 16 ms, where all 4 would yield 1 + 1.5 per 20 ms (without the
+    # discount: 1 + 2.4 per 20 ms, and it would run to 4); a 2-token key's runs to 4.
+    costly = trained(linear(10.0, 2.0))
+    np.testing.assert_allclose(costly.yields.reach_probability(np.array([1, 2])), 0.6, atol=0.02)
+    assert costly.choose_draft_lens(1, np.array([1]), np.array([MAX_DRAFT])).tolist() == [2]
+    assert costly.choose_draft_lens(1, np.array([2]), np.array([MAX_DRAFT])).tolist() == [MAX_DRAFT]
+    assert costly.choose_draft_lens(2, np.array([1, 2]), np.full(2, MAX_DRAFT)).tolist() == [2, MAX_DRAFT]
+    # Tokens free up to a knee: a discounted token that costs nothing still pays.
+    free = trained(flat_then_rising(10.0, 256, 0.5))
+    assert free.choose_draft_lens(1, np.array([1]), np.array([MAX_DRAFT])).tolist() == [MAX_DRAFT]
+
+
 @pytest.mark.parametrize(
     "machine, share",
     [

@@ -26,7 +26,9 @@ found under; the controller keeps the most likely tokens of the whole batch,
 as many as maximise expected accepted tokens per second. A draft found under
 a long key runs long, one found under a single token is cut early, and where
 tokens are free on this machine every request drafts up to
-``num_speculative_tokens``.
+``num_speculative_tokens``. Tokens past twice the matched context count for a
+quarter of their estimate (:data:`DRAFT_PER_MATCHED_TOKEN`), so where tokens
+cost a draft grows with its match, as suffix decoding's drafts do.
 
 Exploration: the cost model extrapolates flat past the largest token count it
 has seen (so untried sizes look cheap and get tried once). Draft yields need
@@ -71,6 +73,24 @@ def evidence_rows(max_key_len: int) -> np.ndarray:
     lengths = np.arange(max_key_len + 1)
     beyond = np.ceil(np.log(np.maximum(lengths, EXACT_EVIDENCE) / EXACT_EVIDENCE) / math.log(1.5) - 1e-9)
     return np.where(lengths <= EXACT_EVIDENCE, lengths, EXACT_EVIDENCE + beyond).astype(np.int64)
+
+
+DRAFT_PER_MATCHED_TOKEN = 2
+"""Draft tokens per token of matched context at full worth; the tokens past them count
+for :data:`TAIL_WORTH` of their estimated reach (suffix decoding's ``max_spec_factor``,
+which vLLM ``suffix`` sets to 1, as a discount instead of a cut).
+
+The estimate prices a token by what it yields in this step. A draft's tail found
+under a short match is paid for by every draft that breaks early; where its first
+tokens are accepted instead, the next step finds the continuation under a match
+that much deeper, where the evidence for the rest is stronger. Replayed over
+plain vLLM's outputs (README, "Drafts grow with their match"), 2 with a quarter
+of the worth beat both no discount and a hard cut on every cell at CPU-like token
+prices, and lost nothing where tokens are nearly free (a discounted token that
+costs nothing still pays)."""
+TAIL_WORTH = 0.25
+"""Share of its estimated reach a token past ``DRAFT_PER_MATCHED_TOKEN`` x the
+matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 
 
 _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
@@ -427,6 +447,10 @@ class GoodputController:
         self._spine_reach = np.zeros((0, max_draft))
         """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
         self._draft_positions = np.arange(max_draft)
+        lengths = np.arange(max_key_len + 1)[:, None]
+        self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
+                                     TAIL_WORTH, 1.0)
+        """Share of its reach each draft position is worth, by matched key length (0: no match)."""
         self.last = Decision(0, max_draft, float(max_draft))
 
     # Decisions -----------------------------------------------------------------------
@@ -473,19 +497,21 @@ class GoodputController:
         maximise expected accepted tokens per second.
 
         A request's token at position k is worth P(positions 1..k accepted) given
-        its key length; the step with the n best tokens yields (requests + their
-        sum) tokens in predict(step_tokens + n) seconds."""
+        its key length (a quarter of it past twice the key length:
+        :data:`DRAFT_PER_MATCHED_TOKEN`); the step with the n best tokens yields
+        (requests + their sum) tokens in predict(step_tokens + n) seconds."""
         available = np.asarray(available, dtype=np.int64)
         if not len(available) or not self.cost.has_data:
             return available
         reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
-        worth = np.where(self._draft_positions < available[:, None], reach, -1.0).ravel()
+        owners, positions = np.nonzero(self._draft_positions < available[:, None])
+        matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
+        worth = (reach * self._worth_share[matched])[owners, positions]
         order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
-        order = order[worth[order] >= 0]
         gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
         rates = gains / self.cost.predict(step_tokens + np.arange(len(order) + 1))
         best = int(rates.argmax())
-        lengths = np.bincount(order[:best] // self.max_draft, minlength=len(available))
+        lengths = np.bincount(owners[order[:best]], minlength=len(available))
         self.last.draft_len = int(lengths.max())
         self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths

@@ -26,11 +26,13 @@ tau equals the engine's): the reference a setting has to beat, at the same
 draft tokens per forward.
 
 Requests are replayed one after another, as the matrix's batch-1 cells send
-them (the shared pool learns from the earlier ones), or ``--batch-size B`` at
-a time as vLLM schedules a batch (a new request starts when one finishes;
-every running request drafts each forward, and the controller sizes the
-batch's drafts together, as in the engine's batch-B cells). Lanes and the
-frozen table are not replayed.
+them (the shared pool learns from the earlier ones), or B at a time as vLLM
+schedules a batch (``--batch-sizes 1,8,32``; a new request starts when one
+finishes; every running request drafts each forward, and the controller sizes
+the batch's drafts together, as in the engine's batch-B cells). With several
+batch sizes one controller per setting runs through them in order, as a
+matrix run's engine does (its batch-8 cells start with what the batch-1 ones
+taught it). Lanes and the frozen table are not replayed.
 """
 
 from __future__ import annotations
@@ -98,8 +100,14 @@ def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int) -> I
         running = [request for request in running if request.done < len(request.output)]
 
 
+def new_controller(config: FafoConfig) -> GoodputController:
+    """A fresh goodput controller, as the engine makes for ``config``."""
+    return GoodputController(config.lane_len, config.num_speculative_tokens, longest_match(config))
+
+
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
-           cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1) -> dict[str, float]:
+           cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1,
+           controller: GoodputController | None = None) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
     (:func:`scheduled`).
@@ -107,11 +115,16 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     With ``cost_ms`` = (step, first draft token, each further token) the
     goodput controller cuts the drafts as in the engine, learning from forwards
     that cost that much (:func:`step_seconds`), and the simulated tokens per
-    second are reported too; without it drafts are kept whole."""
+    second are reported too; without it drafts are kept whole. ``controller``:
+    the one to cut with (default: a fresh one), so that one controller can run
+    through several cells, warm, as a matrix run's engine runs its cells."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
-    controller = None if cost_ms is None else GoodputController(config.lane_len, k, longest_match(config))
+    if cost_ms is None:
+        controller = None
+    elif controller is None:
+        controller = new_controller(config)
     judge = DraftJudge(k)
     forwards = tokens = drafted = 0
     seconds = 0.0
@@ -264,32 +277,41 @@ def main() -> None:
                         help='LABEL=JSON of fafo keys, e.g. k16={"num_speculative_tokens":16} (repeatable)')
     parser.add_argument("--vllm-suffix", action="store_true",
                         help="also replay vLLM's own suffix method (needs arctic-inference), the reference")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="requests decoded together (a new one starts as one finishes)")
+    parser.add_argument("--batch-sizes", default="1",
+                        help="comma list of requests decoded together (a new one starts as one finishes); "
+                             "with --cost-ms each setting's controller runs through them in this order, "
+                             "warm, as a matrix run's engine runs its cells")
     parser.add_argument("--cost-ms", default=None,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
     cost_ms = None if args.cost_ms is None else tuple(float(v) for v in args.cost_ms.split(","))
     if cost_ms is not None and len(cost_ms) != 3:
         parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    try:
+        batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--batch-sizes {args.batch_sizes!r}: need a comma list of integers")
+    if min(batch_sizes) < 1:
+        parser.error(f"--batch-sizes {args.batch_sizes}: each at least 1")
     requests = load_requests(Path(args.cells), args.dataset)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size {args.batch_size}: at least 1")
-    print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output, "
-          f"{args.batch_size} at a time")
+    print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
-    print(f"| setting | tau (drafts {cut}) | draft tokens per forward |" + (" simulated tokens/s |" if cost_ms else ""))
-    print("|---|---|---|" + ("---|" if cost_ms else ""))
-    def row(label: str, result: dict[str, float]) -> None:
-        print(f"| {label} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
+    print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
+          + (" simulated tokens/s |" if cost_ms else ""))
+    print("|---|---|---|---|" + ("---|" if cost_ms else ""))
+    def row(label: str, batch_size: int, result: dict[str, float]) -> None:
+        print(f"| {label} | {batch_size} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
               + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
 
     if args.vllm_suffix:
-        row("vLLM suffix (its own cuts)", replay_vllm_suffix(requests, cost_ms, args.batch_size))
+        for batch_size in batch_sizes:
+            row("vLLM suffix (its own cuts)", batch_size, replay_vllm_suffix(requests, cost_ms, batch_size))
     for entry in args.setting:
         label, _, raw = entry.partition("=")
         config = FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})
-        row(label, replay(config, requests, cost_ms, args.batch_size))
+        controller = None if cost_ms is None else new_controller(config)
+        for batch_size in batch_sizes:
+            row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller))
 
 
 if __name__ == "__main__":

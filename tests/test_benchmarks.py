@@ -166,6 +166,13 @@ def test_pool_replay_drafts_what_the_text_repeats():
     assert free["tokens_per_s"] == pytest.approx(32 / ((32 / free["tau"] - 1) * 0.010))
     costly = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0))
     assert costly["tau"] < replay(config(num_speculative_tokens=16), [copying] * 3)["tau"]
+    # A controller passed in keeps what it learned: run again, it knows drafts cost more
+    # than they earn from the first forward on, where a fresh one drafts in full until
+    # it has seen a draft's cost.
+    warm = module.new_controller(config(num_speculative_tokens=16))
+    replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0), controller=warm)
+    again = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0), controller=warm)
+    assert again["tau"] < costly["tau"]
 
 
 def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():

@@ -121,9 +121,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
-    if cost_ms is None:
-        controller = None
-    elif controller is None:
+    if cost_ms is None and controller is not None:
+        raise ValueError("replay: a controller cuts drafts only on a step cost; pass cost_ms with it")
+    if cost_ms is not None and controller is None:
         controller = new_controller(config)
     judge = DraftJudge(k)
     forwards = tokens = drafted = 0

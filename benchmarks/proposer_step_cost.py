@@ -10,6 +10,11 @@ accepted: each step a request's sampled tokens are the text's next tokens,
 its draft's matching prefix plus one. Reports microseconds per step and per
 request-step, and the tau that the drafts would have given.
 
+The goodput controller sizes drafts by what steps cost, so the steps here are
+timed on a modelled machine (``--cost-ms``, as in replay_pool.py: a forward of
+STEP ms, FIRST ms more with a draft, PER ms per further token), not on the
+wall clock: its choices, and so the host time measured, repeat run to run.
+
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
 """
@@ -21,10 +26,24 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+from replay_pool import step_seconds
 
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.proposer import FafoProposer
 from vllm_fafo.suffix_tree import TEXT_SOURCES
+
+CPU_LIKE_COST_MS = (52.0, 3.3, 3.3)
+"""A 2-core CPU running SmolLM2 in float32 (replay_pool.py's CPU-like curve)."""
+
+
+class ModelledClock:
+    """A clock that moves only when a modelled forward runs (the proposer's ``clock``)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def repetitive_text(length: int, rng: np.random.Generator, vocab: int = 5000, copy_rate: float = 0.5) -> np.ndarray:
@@ -50,14 +69,15 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 
 
 def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
-            seed: int = 0) -> dict:
+            seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
-    with ``history_len`` tokens of prompt."""
+    with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``."""
     config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
     proposer = make_proposer(config, max_len)
+    clock = proposer.clock = ModelledClock()
     req_ids = [f"r{i}" for i in range(batch)]
     num_tokens = np.full(batch, history_len, dtype=np.int32)
     # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
@@ -80,6 +100,7 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
         start = time.perf_counter()
         proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)
+        clock.now += step_seconds(cost_ms, sum(map(len, drafts)), batch)
         drafts = proposer.propose(sampled, num_tokens, rows)
         elapsed += time.perf_counter() - start
     return {
@@ -96,13 +117,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
     parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
+    parser.add_argument("--cost-ms", default=",".join(map(str, CPU_LIKE_COST_MS)),
+                        help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
     args = parser.parse_args()
-    print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0)")
+    cost_ms = tuple(float(v) for v in args.cost_ms.split(","))
+    if len(cost_ms) != 3:
+        parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0), "
+          f"forwards modelled at {args.cost_ms} ms")
+    measure(1, 128, 100, args.controller, args.text_source, cost_ms=cost_ms)  # the process's first steps run slower
     print("| batch | history tokens | us per step | us per request-step | tau |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
-            result = measure(batch, length, args.steps, args.controller, args.text_source)
+            result = measure(batch, length, args.steps, args.controller, args.text_source, cost_ms=cost_ms)
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
                   f"| {result['tau']:.2f} |")
 

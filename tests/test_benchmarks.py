@@ -88,6 +88,17 @@ def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
         assert float(row[4]) > 1.0  # the repetitive text gives the pool drafts that are accepted
 
 
+def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):
+    """The controller learns step costs from the proposer's clock: on the modelled
+    machine it drafts the same way every run, and drafts less where tokens cost more."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = benchmark_script("proposer_step_cost")
+    runs = [script.measure(4, 256, 60, "goodput", cost_ms=cost) for cost in
+            ((52.0, 3.3, 3.3), (52.0, 3.3, 3.3), (10.0, 0.05, 0.05), (10.0, 20.0, 20.0))]
+    assert runs[0]["tau"] == runs[1]["tau"]
+    assert runs[2]["tau"] > runs[3]["tau"]
+
+
 def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
     """--shape runs the same tail layout on a model body with dummy weights (the
     Llama-3-8B shape on a GPU); here the tiny body, for the code path. Lanes are

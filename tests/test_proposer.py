@@ -179,6 +179,20 @@ def test_a_step_lives_from_begin_step_to_propose():
         proposer.propose([[1]], np.array([7]), batch.token_ids)
 
 
+def test_the_controller_learns_each_step_from_begin_step_to_propose_on_the_proposers_clock():
+    proposer = make_proposer(controller="goodput")
+    now = [100.0]
+    proposer.clock = lambda: now[0]
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 1, 2, 1])
+    proposer.begin_step((), 5, {}, {"a": None})
+    now[0] += 0.25  # the forward and sampling
+    proposer.finish_forward(batch.req_ids, None)
+    proposer.propose([[2]], np.array([6]), batch.token_ids)
+    tokens, seconds = proposer.controller.cost.curve()
+    assert tokens.tolist() == [5] and seconds.tolist() == [0.25]
+
+
 def test_branch_hidden_states_come_from_the_planned_forward_only():
     """The runner hands every forward's hidden states over (dummy runs too): only the
     forward of the planned size gives the branch rows, once."""
@@ -189,7 +203,7 @@ def test_branch_hidden_states_come_from_the_planned_forward_only():
 
     proposer = make_proposer()
     request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))], torch.device("cpu"))
-    proposer.step = FafoStep(num_scheduled_tokens=3, scheduled_spec_tokens={"a": [5, 6]},
+    proposer.step = FafoStep(num_scheduled_tokens=3, scheduled_spec_tokens={"a": [5, 6]}, started=0.0,
                              branches=BranchPlan(np.array([7, 8]), np.array([5, 6]), (request,)))
     hidden = torch.arange(5.0)[:, None].expand(5, 4)
     assert proposer.branch_hidden_states(torch.zeros(16, 4)) is None  # a dummy forward's

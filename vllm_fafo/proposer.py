@@ -246,6 +246,9 @@ class FafoStep:
     num_scheduled_tokens: int
     scheduled_spec_tokens: dict[str, list[int]]
     """Draft tokens vLLM scheduled this step, by request."""
+    started: float
+    """When the step began, on the proposer's clock (its forward, sampling and
+    proposing are timed)."""
     planned: bool = False
     plan: StepPlan | None = None
     """The lanes' plan, once the batch is prepared (None: pool only, or not yet)."""
@@ -267,8 +270,6 @@ class FafoStep:
     tail_written: bool = False
     req_ids: Sequence[str] | None = None
     """Row order of the batch that ``propose`` receives."""
-    started: float = field(default_factory=time.perf_counter)
-    """When the step began (its forward, sampling and proposing are timed)."""
 
     @property
     def lane_tokens(self) -> int:
@@ -306,6 +307,10 @@ class FafoProposer:
                                           longest_match(self.config))
         self.judge = DraftJudge(self.num_speculative_tokens)
         """Every found draft, judged against the text: what the controller learns draft yields from."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """What steps are timed with (seconds): the step cost the controller learns.
+        benchmarks/proposer_step_cost.py swaps in a modelled machine so that the
+        controller's choices, and so the host time measured, repeat run to run."""
         self._last_log = time.monotonic()
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()
@@ -360,7 +365,7 @@ class FafoProposer:
         if self.publisher is not None and had_requests and not self._requests:
             self.publisher.publish(self.metrics_snapshot())  # going idle: no periodic publish follows
         self._tenants.update(new_request_tenants)
-        self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens)
+        self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens, self.clock())
 
     def plan_forward(self, batch: BatchView) -> int:
         """2. The batch is prepared: plan the lanes' region updates and tail, then the
@@ -710,7 +715,7 @@ class FafoProposer:
         """Feed the controller this step's cost and yields (``accepted``: draft tokens vLLM
         accepted, of ``decoding_requests``; ``judged``: the drafts the text decided this step, :class:`DraftJudge`);
         log its state now and then."""
-        seconds = time.perf_counter() - step.started
+        seconds = self.clock() - step.started
         if self._step_time is not None:
             seconds = self._step_time.share(seconds)
         trials = np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3)

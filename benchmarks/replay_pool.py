@@ -33,6 +33,14 @@ the batch's drafts together, as in the engine's batch-B cells). With several
 batch sizes one controller per setting runs through them in order, as a
 matrix run's engine does (its batch-8 cells start with what the batch-1 ones
 taught it). Lanes and the frozen table are not replayed.
+
+With ``"num_candidates"`` > 1 in a setting, each draft is the spine of a draft
+tree whose branches grow as the engine grows them (``grow_branches``: the
+pool's other candidates at each spine node) and every branch runs (the
+regime where tokens are free; trees are replayed uncut only): where the
+spine stops at node j, the branch off j that the text follows furthest is
+accepted too. The target's runner-up tokens (``runner_up_tokens``) need its
+logits and are not replayed.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from vllm_fafo.proposer import (
     tree_draft,
 )
 from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
+from vllm_fafo.tree import Branch, grow_branches
 
 
 class _Running:
@@ -125,8 +134,12 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         raise ValueError("replay: a controller cuts drafts only on a step cost; pass cost_ms with it")
     if cost_ms is not None and controller is None:
         controller = new_controller(config)
+    grows_trees = config.num_candidates > 1
+    if grows_trees and cost_ms is not None:
+        raise ValueError("replay: draft trees are replayed uncut (every branch runs); drop cost_ms or "
+                         "set num_candidates to 1")
     judge = DraftJudge(k)
-    forwards = tokens = drafted = 0
+    forwards = tokens = drafted = branch_tokens = accepted_off_spine = 0
     seconds = 0.0
     for event, payload in scheduled(requests, batch_size):
         if event == "start":
@@ -163,7 +176,18 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
                       key_lens)
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
-        accepted = [advance(request, draft) for request, draft in zip(running, drafts)]
+        if grows_trees:
+            accepted = []
+            for request, draft in zip(running, drafts):
+                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
+                branches = grow_branches(request.pools, context, draft, config.num_candidates - 1,
+                                         config.tree_tokens - len(draft))
+                branch_tokens += sum(len(branch.tokens) for branch in branches)
+                spine, off_spine = advance_tree(request, draft, branches)
+                accepted.append(spine)
+                accepted_off_spine += off_spine
+        else:
+            accepted = [advance(request, draft) for request, draft in zip(running, drafts)]
         forwards += len(running)
         drafted += int(draft_lens.sum())
         if cost_ms is not None:
@@ -179,6 +203,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds  # the prefills' forwards are not priced
+    if grows_trees:
+        result["branch_tokens_per_forward"] = branch_tokens / forwards
+        result["accepted_off_spine"] = accepted_off_spine
     return result
 
 
@@ -197,6 +224,19 @@ def advance(request: _Running, draft: list[int]) -> int:
     accepted = accepted_prefix(draft, request.output, request.done)
     request.done += min(accepted + 1, len(request.output) - request.done)
     return accepted
+
+
+def advance_tree(request: _Running, spine: list[int], branches: list[Branch]) -> tuple[int, int]:
+    """Verify a draft tree greedily: the spine's accepted prefix and, where it stopped
+    at node j, the branch off j the output follows furthest; the target's next token
+    after them is decoded too. Returns (spine tokens, branch tokens) accepted."""
+    on_spine = accepted_prefix(spine, request.output, request.done)
+    off_spine = 0
+    if on_spine < len(spine):
+        off_spine = max((accepted_prefix(list(branch.tokens), request.output, request.done + on_spine)
+                         for branch in branches if branch.node == on_spine), default=0)
+    request.done += min(on_spine + off_spine + 1, len(request.output) - request.done)
+    return on_spine, off_spine
 
 
 def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
@@ -295,20 +335,28 @@ def main() -> None:
         parser.error(f"--batch-sizes {args.batch_sizes}: each at least 1")
     requests = load_requests(Path(args.cells), args.dataset)
     print(f"{args.dataset}: {len(requests)} requests, {sum(len(o) for _, o in requests)} tokens of plain vLLM's output")
+    settings = []
+    for entry in args.setting:
+        label, _, raw = entry.partition("=")
+        settings.append((label, FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})))
+    trees = any(config.num_candidates > 1 for _, config in settings)
+    if trees and cost_ms is not None:
+        parser.error("--cost-ms: draft trees (num_candidates > 1) are replayed uncut only")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
     print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
-          + (" simulated tokens/s |" if cost_ms else ""))
-    print("|---|---|---|---|" + ("---|" if cost_ms else ""))
+          + (" simulated tokens/s |" if cost_ms else "")
+          + (" branch tokens per forward | accepted off the spine |" if trees else ""))
+    print("|---|---|---|---|" + ("---|" if cost_ms else "") + ("---|---|" if trees else ""))
     def row(label: str, batch_size: int, result: dict[str, float]) -> None:
         print(f"| {label} | {batch_size} | {result['tau']:.3f} | {result['draft_tokens_per_forward']:.2f} |"
-              + (f" {result['tokens_per_s']:.1f} |" if cost_ms else ""))
+              + (f" {result['tokens_per_s']:.1f} |" if cost_ms else "")
+              + (f" {result.get('branch_tokens_per_forward', 0.0):.2f} | {result.get('accepted_off_spine', 0)} |"
+                 if trees else ""))
 
     if args.vllm_suffix:
         for batch_size in batch_sizes:
             row("vLLM suffix (its own cuts)", batch_size, replay_vllm_suffix(requests, cost_ms, batch_size))
-    for entry in args.setting:
-        label, _, raw = entry.partition("=")
-        config = FafoConfig.from_user_dict({"method": "fafo", **json.loads(raw or "{}")})
+    for label, config in settings:
         controller = None if cost_ms is None else new_controller(config)
         for batch_size in batch_sizes:
             row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller))

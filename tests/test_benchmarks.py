@@ -186,6 +186,28 @@ def test_pool_replay_drafts_what_the_text_repeats():
     assert again["tau"] < costly["tau"]
 
 
+def test_pool_replay_of_draft_trees_accepts_the_branch_the_text_follows():
+    from vllm_fafo.config import FafoConfig
+
+    module = benchmark_script("replay_pool")
+
+    def config(**keys):
+        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False, **keys})
+
+    # (1, 2) was followed first by `older`, then by `newer`; the answer takes `older` again.
+    older, newer = list(range(10, 26)), list(range(40, 56))
+    request = ([1, 2, *older, 3, 1, 2, *newer, 4, 1], [2, *older, 5])
+    # Spine only: the newest candidate is rejected at its first token, the next forward
+    # finds `older`'s rest under (2, 10): 18 tokens in 3 forwards (the prefill's included).
+    assert module.replay(config(), [request]) == {"tau": 6.0, "draft_tokens_per_forward": 32 / 3}
+    # With a branch: `older` rides off node 0 and is accepted whole with the spine's
+    # rejection, then the target's 5: 2 forwards.
+    tree = module.replay(config(num_candidates=2), [request])
+    assert tree["tau"] == 9.0 and tree["accepted_off_spine"] == 16 and tree["branch_tokens_per_forward"] == 8.0
+    with pytest.raises(ValueError, match="uncut"):
+        module.replay(config(num_candidates=2), [request], cost_ms=(10.0, 1.0, 1.0))
+
+
 def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
     from vllm_fafo.config import FafoConfig
 

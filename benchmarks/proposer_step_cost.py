@@ -26,7 +26,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-from replay_pool import step_seconds
+from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.proposer import FafoProposer
@@ -117,14 +117,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
     parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
-    parser.add_argument("--cost-ms", default=",".join(map(str, CPU_LIKE_COST_MS)),
+    parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
     args = parser.parse_args()
-    cost_ms = tuple(float(v) for v in args.cost_ms.split(","))
-    if len(cost_ms) != 3:
-        parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    cost_ms = args.cost_ms
     print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0), "
-          f"forwards modelled at {args.cost_ms} ms")
+          f"forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
     measure(1, 128, 100, args.controller, args.text_source, cost_ms=cost_ms)  # the process's first steps run slower
     print("| batch | history tokens | us per step | us per request-step | tau |")
     print("|---|---|---|---|---|")

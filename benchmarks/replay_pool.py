@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,18 +176,15 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
                       key_lens)
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
-        if grows_trees:
-            accepted = []
-            for request, draft in zip(running, drafts):
-                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
-                branches = grow_branches(request.pools, context, draft, config.num_candidates - 1,
-                                         config.tree_tokens - len(draft))
-                branch_tokens += sum(len(branch.tokens) for branch in branches)
-                spine, off_spine = advance_tree(request, draft, branches)
-                accepted.append(spine)
-                accepted_off_spine += off_spine
-        else:
-            accepted = [advance(request, draft) for request, draft in zip(running, drafts)]
+        accepted = []
+        for request, draft in zip(running, drafts):
+            branches = () if not grows_trees else grow_branches(
+                request.pools, request.history[request.num_tokens - max_key_len : request.num_tokens].tolist(),
+                draft, config.num_candidates - 1, config.tree_tokens - len(draft))
+            branch_tokens += sum(len(branch.tokens) for branch in branches)
+            on_spine, off_spine = advance_tree(request, draft, branches)
+            accepted.append(on_spine)
+            accepted_off_spine += off_spine
         forwards += len(running)
         drafted += int(draft_lens.sum())
         if cost_ms is not None:
@@ -221,12 +218,10 @@ def _stacked(running: list[_Running]) -> np.ndarray:
 def advance(request: _Running, draft: list[int]) -> int:
     """Verify ``draft`` greedily against the request's output: the accepted tokens and
     the target's own next one are decoded. Returns the draft tokens accepted."""
-    accepted = accepted_prefix(draft, request.output, request.done)
-    request.done += min(accepted + 1, len(request.output) - request.done)
-    return accepted
+    return advance_tree(request, draft, ())[0]
 
 
-def advance_tree(request: _Running, spine: list[int], branches: list[Branch]) -> tuple[int, int]:
+def advance_tree(request: _Running, spine: list[int], branches: Sequence[Branch]) -> tuple[int, int]:
     """Verify a draft tree greedily: the spine's accepted prefix and, where it stopped
     at node j, the branch off j the output follows furthest; the target's next token
     after them is decoded too. Returns (spine tokens, branch tokens) accepted."""
@@ -245,6 +240,17 @@ def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
     while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
         accepted += 1
     return accepted
+
+
+def cost_ms_argument(value: str) -> tuple[float, float, float]:
+    """``--cost-ms STEP,FIRST,PER`` (milliseconds), as :func:`step_seconds` takes it."""
+    try:
+        cost_ms = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        cost_ms = ()
+    if len(cost_ms) != 3:
+        raise argparse.ArgumentTypeError(f"{value!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    return cost_ms
 
 
 def step_seconds(cost_ms: tuple[float, float, float], num_drafts: int, num_requests: int = 1) -> float:
@@ -321,12 +327,10 @@ def main() -> None:
                         help="comma list of requests decoded together (a new one starts as one finishes); "
                              "with --cost-ms each setting's controller runs through them in this order, "
                              "warm, as a matrix run's engine runs its cells")
-    parser.add_argument("--cost-ms", default=None,
+    parser.add_argument("--cost-ms", default=None, type=cost_ms_argument,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
-    cost_ms = None if args.cost_ms is None else tuple(float(v) for v in args.cost_ms.split(","))
-    if cost_ms is not None and len(cost_ms) != 3:
-        parser.error(f"--cost-ms {args.cost_ms!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    cost_ms = args.cost_ms
     try:
         batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     except ValueError:
@@ -342,7 +346,7 @@ def main() -> None:
     trees = any(config.num_candidates > 1 for _, config in settings)
     if trees and cost_ms is not None:
         parser.error("--cost-ms: draft trees (num_candidates > 1) are replayed uncut only")
-    cut = "uncut" if cost_ms is None else f"cut by the controller at {args.cost_ms} ms"
+    cut = "uncut" if cost_ms is None else f"cut by the controller at {','.join(f'{v:g}' for v in cost_ms)} ms"
     print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
           + (" simulated tokens/s |" if cost_ms else "")
           + (" branch tokens per forward | accepted off the spine |" if trees else ""))

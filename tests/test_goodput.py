@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from vllm_fafo.goodput import (
+    LANE_YIELD_UNSEEN,
     FixedController,
     GoodputController,
     StepCostModel,
@@ -225,6 +226,24 @@ def test_lane_probes_that_could_not_pay_wait_for_the_longest_interval():
     gpu = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     _, lanes = simulate(Machine(flat_then_rising(10.0, 256, 0.5), lane_yield=0.0, accept=0.5), gpu, 600)
     assert np.count_nonzero(np.array(lanes) > 0) >= 4 * burst
+
+
+def test_before_any_lane_ran_a_probe_runs_only_where_lanes_could_pay_at_the_unseen_yield():
+    # The engine's first step is a prefill: the cost curve has priced a large forward
+    # before the first probe is due. Where each lane token costs a real share of a step
+    # (CPU-like), lanes could not pay even at LANE_YIELD_UNSEEN, and the first probe
+    # waits until the curve has forgotten the sizes it priced (then reads them as cheap),
+    # as later probes do; where they cost next to nothing (GPU-like), it runs when first due.
+    def first_probe(cost: Callable[[np.ndarray], np.ndarray]) -> int:
+        controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+        controller.cost.observe(1024, float(cost(1024)))
+        _, lanes = simulate(Machine(cost, lane_yield=0.0, accept=0.5), controller, 1200)
+        return int(np.flatnonzero(np.array(lanes) > 0)[0])
+
+    assert first_probe(linear(10.0, 2.0)) > StepCostModel().forget_after
+    assert first_probe(flat_then_rising(10.0, 256, 0.5)) <= 16
+    assert 0.0 < LANE_YIELD_UNSEEN < 1.0
+    assert YieldEstimates(MAX_DRAFT, MAX_KEY_LEN).lane_yield_seen() == LANE_YIELD_UNSEEN
 
 
 def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_batch_grows():

@@ -40,7 +40,7 @@ that did not pay (bounded by ``max_probe_interval``), so a change in cost or
 lane yield is followed within a bounded number of steps at a cost amortised
 to a few percent. A lane probe
 runs only where its lanes could pay at the lane yield last measured (before
-any lane ran: always), or once lanes were off for ``max_probe_interval``
+any lane ran: :data:`LANE_YIELD_UNSEEN`), or once lanes were off for ``max_probe_interval``
 steps: on a machine where lane tokens cost more than they ever earned, the
 probes' own cost stops there.
 
@@ -92,6 +92,18 @@ discounted token that costs nothing still pays)."""
 TAIL_WORTH = 0.25
 """Share of its estimated reach a token past ``DRAFT_PER_MATCHED_TOKEN`` x the
 matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
+
+
+LANE_YIELD_UNSEEN = 0.1
+"""Accepted lane-n-gram tokens per lane token a probe is judged by before any lane ran:
+about ten times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
+and HumanEval: 0.007-0.008 on top of the uncut drafts; README, "Lane probes before any
+lane ran"). Where lane tokens cost next to nothing (a GPU below its knee) lanes could
+pay at that yield and are probed when first due; where every lane token costs a share
+of the step (a CPU) they could not, once the cost curve has priced a large forward
+(the first prefill), and the first probe waits until the curve has forgotten the
+sizes it priced, as later probes do. (With 1.0, the first probe always ran: on the
+2-core CPU its 4 steps took 0.85 s of a 12.3-second HumanEval batch-8 run.)"""
 
 
 _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
@@ -278,10 +290,10 @@ class YieldEstimates:
 
     def lane_yield_seen(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, as measured, without the
-        prior (1.0 before lanes ran lately: unknown, so optimistic). What a probe is
+        prior (:data:`LANE_YIELD_UNSEEN` before lanes ran lately). What a probe is
         judged by: whether lanes could pay at the yield they last showed."""
         if self.lane_tokens <= 0.0:
-            return 1.0
+            return LANE_YIELD_UNSEEN
         return self.lane_accepted / self.lane_tokens
 
     def tokens_per_request(self) -> float:

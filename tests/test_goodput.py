@@ -236,7 +236,7 @@ def test_before_any_lane_ran_a_probe_runs_only_where_lanes_could_pay_at_the_unse
     # as later probes do; where they cost next to nothing (GPU-like), it runs when first due.
     def first_probe(cost: Callable[[np.ndarray], np.ndarray]) -> int:
         controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
-        controller.cost.observe(1024, float(cost(1024)))
+        controller.cost.observe(256, float(cost(256)))  # a 256-token prompt
         _, lanes = simulate(Machine(cost, lane_yield=0.0, accept=0.5), controller, 1200)
         return int(np.flatnonzero(np.array(lanes) > 0)[0])
 

@@ -20,9 +20,19 @@ from .test_sampling import assert_same_distribution, sample
 pytestmark = pytest.mark.engine
 
 
+def _probe_lanes_when_first_due(worker) -> None:
+    worker.model_runner.drafter.controller.yields.lane_yield_unseen = 1.0
+
+
 @pytest.fixture(scope="session")
 def goodput_llm(model_dir):
-    return make_llm(model_dir, {"method": "fafo"})
+    llm = make_llm(model_dir, {"method": "fafo"})
+    # On a CPU the controller's first lane probe waits until its cost curve has forgotten
+    # the prefill's size (lanes could not pay at the yield it assumes before any ran);
+    # judged at 1.0 instead, it runs 16 decode steps in, so these tests see lanes go
+    # on and off under the controller (regions read back from the paged cache).
+    llm.collective_rpc(_probe_lanes_when_first_due)
+    return llm
 
 
 def test_default_is_the_goodput_controller_and_it_reports_what_it_learned(plain_llm, goodput_llm, mtbench):
@@ -41,10 +51,10 @@ def test_batch1_identical_to_plain_with_the_controller_on(plain_batch1_tokens, g
     got = token_ids(generate_one_by_one(goodput_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
     assert_same_tokens(plain_batch1_tokens, got)
     # Regions skip upkeep while lanes are off and are read back from the paged cache
-    # when lanes run again: the engine's first lane probe (lanes never ran, so judged
-    # optimistically; 16 decode steps in) did that, in this test or in the one before,
-    # both of which check the tokens. Later probes on this CPU wait 1024 steps: lanes
-    # could not pay at the yield that probe showed.
+    # when lanes run again: the engine's first lane probe (judged at a yield of 1.0,
+    # see goodput_llm; 16 decode steps in) did that, in this test or in the one before,
+    # both of which check the tokens. Later probes on this CPU wait 512-1024 steps:
+    # lanes could not pay at the yield that probe showed.
     assert collect_metrics(goodput_llm)["caught_up_positions"] > 0
 
 

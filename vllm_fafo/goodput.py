@@ -94,16 +94,18 @@ TAIL_WORTH = 0.25
 matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 
 
-LANE_YIELD_UNSEEN = 0.1
+LANE_YIELD_UNSEEN = 0.05
 """Accepted lane-n-gram tokens per lane token a probe is judged by before any lane ran:
-about ten times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
+six to seven times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
 and HumanEval: 0.007-0.008 on top of the uncut drafts; README, "Lane probes before any
 lane ran"). Where lane tokens cost next to nothing (a GPU below its knee) lanes could
 pay at that yield and are probed when first due; where every lane token costs a share
-of the step (a CPU) they could not, once the cost curve has priced a large forward
-(the first prefill), and the first probe waits until the curve has forgotten the
-sizes it priced, as later probes do. (With 1.0, the first probe always ran: on the
-2-core CPU its 4 steps took 0.85 s of a 12.3-second HumanEval batch-8 run.)"""
+of the step (the 2-core CPU: about 1.1 ms per lane token against 53 ms for a
+1-request step yielding 3.7 tokens, a break-even yield of 0.075) they could not, once
+the cost curve has priced a large forward (the first prefill), and the first probe
+waits until the curve has forgotten the sizes it priced, as later probes do. (With
+1.0, the first probe always ran: on that CPU its 4 steps took 0.85 s of a 12.3-second
+HumanEval batch-8 run.)"""
 
 
 _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
@@ -216,6 +218,8 @@ class YieldEstimates:
     yields kept per verified draft")."""
     lane_prior_tokens: float = 96.0
     """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
+    lane_yield_unseen: float = LANE_YIELD_UNSEEN
+    """What :meth:`lane_yield_seen` says before lanes ran lately."""
     lane_tokens: float = 0.0
     lane_accepted: float = 0.0
     decode_rows: float = 0.0
@@ -290,10 +294,10 @@ class YieldEstimates:
 
     def lane_yield_seen(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, as measured, without the
-        prior (:data:`LANE_YIELD_UNSEEN` before lanes ran lately). What a probe is
+        prior (:attr:`lane_yield_unseen` before lanes ran lately). What a probe is
         judged by: whether lanes could pay at the yield they last showed."""
         if self.lane_tokens <= 0.0:
-            return LANE_YIELD_UNSEEN
+            return self.lane_yield_unseen
         return self.lane_accepted / self.lane_tokens
 
     def tokens_per_request(self) -> float:

@@ -262,6 +262,40 @@ def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_bat
     assert typical_busy < typical_alone  # 8 requests: the batch alone is near the knee
 
 
+def test_lane_steps_teach_their_own_curve_and_lanes_are_priced_by_it():
+    # Lane attention costs a step more than its tokens say (on the 2-core CPU a step with
+    # a lane probe took 20-26 % more than a plain step of as many tokens). Steps with lanes
+    # leave the plain curve, by which drafts are sized, as plain steps taught it; lanes
+    # that would pay at the tokens' price but not at what steps with lanes cost stay off.
+    def run(lane_overhead_ms: float) -> tuple[GoodputController, list[int]]:
+        cost = flat_then_rising(10.0, 256, 0.5)  # tokens nearly free: lanes pay at their price
+        controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+        lanes_chosen, owed = [], 0.0
+        none = np.zeros(1, dtype=np.int64)
+        for step in range(400):
+            real = 1 + step % (MAX_DRAFT + 1)  # drafts of 0..MAX_DRAFT tokens: sizes lane steps also have
+            lanes = controller.choose_lanes(real, 1, 1, MAX_LANES)
+            lanes_chosen.append(lanes)
+            lane_tokens = lanes * LANE_LEN
+            owed += 0.01 * lane_tokens  # a lane token earns 0.01
+            seconds = float(cost(real + lane_tokens)) + (lane_overhead_ms / 1000 if lanes else 0.0)
+            controller.observe(StepOutcome(tokens=real + lane_tokens, seconds=seconds, lane_tokens=lane_tokens,
+                                           lane_accepted=int(owed), text_accepted=0, decoding_requests=1,
+                                           draft_lengths=none, accepted_lengths=none, key_lens=none))
+            owed -= int(owed)
+        return controller, lanes_chosen
+
+    _, lanes = run(lane_overhead_ms=0.0)
+    assert np.median(lanes[100:]) > 0
+    dear, lanes = run(lane_overhead_ms=20.0)  # 20 ms of lane attention on a 10-ms step
+    assert np.mean(np.array(lanes[100:]) > 0) < 0.05  # the probes only
+    plain_tokens, plain_seconds = dear.cost.curve()
+    np.testing.assert_allclose(plain_seconds, flat_then_rising(10.0, 256, 0.5)(plain_tokens))
+    lane_tokens, lane_seconds = dear.lane_cost.curve()
+    assert len(lane_tokens) and np.all(lane_seconds > 0.029)
+    assert set(dear.summary()["lane_cost_curve_tokens"]) == set(lane_tokens.round(1).tolist())
+
+
 def lane_step(lane_tokens: int, lane_accepted: int) -> StepOutcome:
     """A step of one request that ran lanes and drafted nothing."""
     none = np.zeros(1, dtype=np.int64)

@@ -16,8 +16,9 @@ Everything is learned from the engine's own steps:
   matched key length, and per branch position and rank among sibling branches;
   accepted tokens per decoding request from text n-grams, and accepted
   lane-n-gram tokens per lane token run.
-- A second :class:`StepCostModel` for steps with draft-tree branches, whose
-  attention (the plugin's own) costs more than their token count says.
+- Two more :class:`StepCostModel`: one for steps with lanes, one for steps with
+  draft-tree branches, whose attention (the plugin's own) costs more than their
+  token count says; they never teach the curve plain steps are priced by.
 
 Draft lengths are chosen per request from the candidate's support (suffix
 decoding's rule, learned): every draft token has an estimated probability of
@@ -461,6 +462,8 @@ class GoodputController:
         self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
         self.tree_cost = StepCostModel()
         """Seconds per step against tokens, of steps with draft-tree branches."""
+        self.lane_cost = StepCostModel()
+        """Seconds per step against tokens, of steps with lanes (and no branches)."""
         self._spine_reach = np.zeros((0, max_draft))
         """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
         self._draft_positions = np.arange(max_draft)
@@ -482,11 +485,12 @@ class GoodputController:
         lane_tokens = options * self.lane_len * lane_requests
         base = decoding_requests * self.yields.tokens_per_request()
         gain = base + lane_tokens * self.yields.lane_yield()
-        rate = gain / self.cost.predict(real_tokens + lane_tokens)
-        best = int(options[int(rate.argmax())])
+        seconds = np.where(options > 0, self._lane_step_seconds(real_tokens + lane_tokens),
+                           self._plain_cost().predict(real_tokens))
+        best = int(options[int((gain / seconds).argmax())])
         probe = best == 0 and self._lane_probe.due()
         if probe:  # the most lanes the cost model prices at no more than twice the plain step
-            affordable = options[self.cost.predict(real_tokens + lane_tokens) <= 2 * self.cost.predict(real_tokens)]
+            affordable = options[seconds <= 2 * seconds[0]]
             size = int(max(affordable.max(), 1))
             probe = self._lane_probe.in_burst() or self._lane_probe.overdue() or any(
                 self._could_pay(tokens, base, size * self.lane_len * lane_requests)
@@ -505,8 +509,21 @@ class GoodputController:
         cost curve says lanes could not pay even at the yield they showed (a CPU,
         where every lane token costs), probing again only spends; such probes wait
         for the longest interval (or for the curve or the yield to change)."""
-        with_lanes = (base + lane_tokens * self.yields.lane_yield_seen()) / self.cost.predict(real_tokens + lane_tokens)
-        return bool(with_lanes >= base / self.cost.predict(real_tokens))
+        with_lanes = (base + lane_tokens * self.yields.lane_yield_seen()) / self._lane_step_seconds(real_tokens + lane_tokens)
+        return bool(with_lanes >= base / self._plain_cost().predict(real_tokens))
+
+    def _plain_cost(self) -> StepCostModel:
+        """The curve steps without lanes or branches are priced by: their own, or, where
+        lanes ran in every recent step (its points all forgotten), the lane steps'."""
+        return self.cost if self.cost.has_data or not self.lane_cost.has_data else self.lane_cost
+
+    def _lane_step_seconds(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Seconds of steps with lanes of ``tokens`` tokens: the dearer of the lane steps'
+        curve and the plain one (lanes add attention over each request's region to the
+        tokens' price, never take from it; the lane curve is flat past the largest lane
+        step it saw). The plain curve alone until a lane step ran."""
+        plain = self._plain_cost().predict(tokens)
+        return np.maximum(self.lane_cost.predict(tokens), plain) if self.lane_cost.has_data else plain
 
     def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
         """Draft length per request for the next step (at most ``available``, the draft
@@ -516,17 +533,20 @@ class GoodputController:
         A request's token at position k is worth P(positions 1..k accepted) given
         its key length (a quarter of it past twice the key length:
         :data:`DRAFT_PER_MATCHED_TOKEN`); the step with the n best tokens yields
-        (requests + their sum) tokens in predict(step_tokens + n) seconds."""
+        (requests + their sum) tokens in predict(step_tokens + n) seconds, on the curve of
+        steps with lanes where this step ran lanes (``step_tokens`` counts them)."""
         available = np.asarray(available, dtype=np.int64)
-        if not len(available) or not self.cost.has_data:
+        lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
+        if not len(available) or not (lanes_on or self._plain_cost().has_data):
             return available
+        step_seconds = self._lane_step_seconds if lanes_on else self._plain_cost().predict
         reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
         owners, positions = np.nonzero(self._draft_positions < available[:, None])
         matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
         worth = (reach * self._worth_share[matched])[owners, positions]
         order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
         gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
-        rates = gains / self.cost.predict(step_tokens + np.arange(len(order) + 1))
+        rates = gains / step_seconds(step_tokens + np.arange(len(order) + 1))
         best = int(rates.argmax())
         lengths = np.bincount(owners[order[:best]], minlength=len(available))
         self.last.draft_len = int(lengths.max())
@@ -548,7 +568,8 @@ class GoodputController:
         one ran). Where tokens cost next to nothing (a GPU below its knee) whole trees run;
         elsewhere only branches whose worth beats their cost, or none."""
         lengths = np.asarray(branches.lengths, dtype=np.int64)
-        if not len(lengths) or not self.cost.has_data:  # a step without branches first
+        cost = self._plain_cost()
+        if not len(lengths) or not cost.has_data:  # a step without branches first
             return np.zeros_like(lengths)
         reach = self._spine_reach  # (requests, max_draft), from choose_draft_lens
         spine_lens = np.asarray(spine_lens, dtype=np.int64)
@@ -563,8 +584,8 @@ class GoodputController:
                  * self.yields.branch_reach_probability()[ranks[token_branch], depth])
         order = np.argsort(-worth, kind="stable")  # ties: shallower first, so each branch keeps a prefix
         gains = len(spine_lens) + spine_worth + np.concatenate([[0.0], np.cumsum(worth[order])])
-        with_tree = self.tree_cost if self.tree_cost.has_data else self.cost  # untried: priced as tokens
-        seconds = np.concatenate([self.cost.predict([step_tokens]),
+        with_tree = self.tree_cost if self.tree_cost.has_data else cost  # untried: priced as tokens
+        seconds = np.concatenate([cost.predict([step_tokens]),
                                   with_tree.predict(step_tokens + np.arange(1, len(order) + 1))])
         rates = gains / seconds
         best = int(rates.argmax())
@@ -573,11 +594,14 @@ class GoodputController:
 
     # Learning --------------------------------------------------------------------------
     def observe(self, outcome: StepOutcome) -> None:
-        """Steps without branches teach the cost curve, steps with branches the tree's
-        own: branch attention is the plugin's, not vLLM's kernel, and costs a fixed
-        amount per layer and step that one curve over token counts could not tell
-        from the price of the tokens."""
-        (self.tree_cost if outcome.tree_tokens else self.cost).observe(outcome.tokens, outcome.seconds)
+        """Plain steps teach the cost curve, steps with branches the tree's own and steps
+        with lanes the lanes' own: branch and lane attention are the plugin's, not vLLM's
+        kernel, and cost an amount per layer and step that one curve over token counts
+        could not tell from the price of the tokens. (On the 2-core CPU a step with a
+        lane probe took 20-26 % more than a plain step of as many tokens; in the plain
+        curve such steps made the drafts after a probe look dearer than they were.)"""
+        curve = self.tree_cost if outcome.tree_tokens else self.lane_cost if outcome.lane_tokens else self.cost
+        curve.observe(outcome.tokens, outcome.seconds)
         self.yields.observe(outcome)
 
     def summary(self) -> dict:
@@ -588,6 +612,8 @@ class GoodputController:
             "draft_len": self.last.draft_len,
             "mean_draft_len": round(self.last.mean_draft_len, 3),
             "tree_tokens": self.last.tree_tokens,
+            "lane_cost_curve_tokens": self.lane_cost.curve()[0].round(1).tolist(),
+            "lane_cost_curve_ms": (1000 * self.lane_cost.curve()[1]).round(3).tolist(),
             "tree_cost_curve_tokens": self.tree_cost.curve()[0].round(1).tolist(),
             "tree_cost_curve_ms": (1000 * self.tree_cost.curve()[1]).round(3).tolist(),
             "branch_first_token_rate": self.yields.branch_reach_probability()[:, 0].round(4).tolist(),

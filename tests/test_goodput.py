@@ -264,7 +264,7 @@ def test_flat_then_rising_keeps_lanes_up_to_the_knee_and_shrinks_them_as_the_bat
 
 def test_lane_steps_teach_their_own_curve_and_lanes_are_priced_by_it():
     # Lane attention costs a step more than its tokens say (on the 2-core CPU a step with
-    # a lane probe took 20-26 % more than a plain step of as many tokens). Steps with lanes
+    # a lane probe took 15-26 % more than a plain step of as many tokens). Steps with lanes
     # leave the plain curve, by which drafts are sized, as plain steps taught it; lanes
     # that would pay at the tokens' price but not at what steps with lanes cost stay off.
     def run(lane_overhead_ms: float) -> tuple[GoodputController, list[int]]:

@@ -598,7 +598,7 @@ class GoodputController:
         with lanes the lanes' own: branch and lane attention are the plugin's, not vLLM's
         kernel, and cost an amount per layer and step that one curve over token counts
         could not tell from the price of the tokens. (On the 2-core CPU a step with a
-        lane probe took 20-26 % more than a plain step of as many tokens; in the plain
+        lane probe took 15-26 % more than a plain step of as many tokens; in the plain
         curve such steps made the drafts after a probe look dearer than they were.)"""
         curve = self.tree_cost if outcome.tree_tokens else self.lane_cost if outcome.lane_tokens else self.cost
         curve.observe(outcome.tokens, outcome.seconds)

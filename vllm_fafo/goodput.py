@@ -537,9 +537,10 @@ class GoodputController:
         steps with lanes where this step ran lanes (``step_tokens`` counts them)."""
         available = np.asarray(available, dtype=np.int64)
         lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
-        if not len(available) or not (lanes_on or self._plain_cost().has_data):
+        plain = self._plain_cost()
+        if not len(available) or not (lanes_on or plain.has_data):
             return available
-        step_seconds = self._lane_step_seconds if lanes_on else self._plain_cost().predict
+        step_seconds = self._lane_step_seconds if lanes_on else plain.predict
         reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
         owners, positions = np.nonzero(self._draft_positions < available[:, None])
         matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)

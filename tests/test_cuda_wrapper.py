@@ -192,7 +192,7 @@ def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
         engine_args.translate_speculative_config(args)
         assert args.attention_backend is AttentionBackendEnum.CUSTOM
         assert args.attention_config.backend is None
-        assert args.enforce_eager and args.enable_prefix_caching is False
+        assert args.enforce_eager and args.enable_prefix_caching is None  # lanes keep prefix caching
     pool_only = EngineArgs(model=model_dir, speculative_config={"method": "fafo", "num_lanes": 0})
     engine_args.translate_speculative_config(pool_only)
     assert pool_only.attention_backend is None

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_fafo.assets import load_prompts
 from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
 from vllm_fafo.metrics import collect_metrics
 from vllm_fafo.step_plan import plan_of
 
-from .conftest import BATCH1_PROMPTS
+from .conftest import BATCH1_PROMPTS, LANES_SPEC
 from .engine_utils import (
     assert_concurrent_identical,
     assert_same_tokens,
+    chat_prompts,
     generate_one_by_one,
     greedy,
     token_ids,
@@ -39,10 +41,29 @@ def test_concurrent_requests_identical_to_plain(plain_llm, lanes_llm, mtbench):
     assert_concurrent_identical(plain_llm, lanes_llm, mtbench[:6], first_len=48)
 
 
-def test_lanes_turn_prefix_caching_off(lanes_llm):
+def test_lanes_keep_prefix_caching_and_read_a_hit_back_into_the_region(plain_llm, lanes_llm):
+    """The second prompt shares a long prefix with the first: vLLM serves it from the
+    prefix cache, and that request's region reads the hit back from the paged cache."""
     config = lanes_llm.llm_engine.vllm_config
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching
     assert config.model_config.enforce_eager is True
+    texts = load_prompts("mtbench", 10)
+    shared = "\n".join(texts[:8])
+    prompts = chat_prompts(lanes_llm, [f"{shared}\n\nAnswer only this one: {q}" for q in texts[8:]])
+    expected = token_ids(generate_one_by_one(plain_llm, prompts, greedy(64)))
+    hits, before = prefix_cache_hits(lanes_llm), collect_metrics(lanes_llm)
+    got = token_ids(generate_one_by_one(lanes_llm, prompts, greedy(64)))
+    assert_same_tokens(expected, got)
+    after = collect_metrics(lanes_llm)
+    assert prefix_cache_hits(lanes_llm) - hits >= config.cache_config.block_size
+    # Only the hit is caught up here (the fixed controller never parks a region):
+    # its sinks and the ring's worth before the first computed position.
+    assert after["caught_up_positions"] - before["caught_up_positions"] == LANES_SPEC["kv_budget"] - 1
+    assert after["accepted_tokens"]["lane"] > before["accepted_tokens"]["lane"]
+
+
+def prefix_cache_hits(llm) -> int:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
 def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, monkeypatch):

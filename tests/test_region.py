@@ -26,13 +26,14 @@ SCALE = D**-0.5
 
 
 class Request:
-    def __init__(self, req_id: str, prompt_len: int, seed: int):
+    def __init__(self, req_id: str, prompt_len: int, seed: int, cached: int = 0):
+        """``cached``: prompt positions a prefix-cache hit gives it (the engine never computes them)."""
         gen = torch.Generator().manual_seed(seed)
         self.req_id = req_id
         self.prompt_len = prompt_len
         self.true_k = torch.randn(600, HK, D, generator=gen)
         self.true_v = torch.randn(600, HK, D, generator=gen)
-        self.computed = 0  # positions whose true KV the engine has
+        self.computed = cached  # positions whose true KV the engine has
         self.prefill_q = {}  # position -> query the prompt token had
 
     @property
@@ -175,6 +176,7 @@ def run_simulation(policy, requests, chunk, num_lanes, lane_len, max_drafts, ste
     lanes = FumbleLanes(
         num_lanes=num_lanes, lane_len=lane_len, max_key_len=3, max_drafts=max_drafts,
         max_model_len=4096, region_rows=len(requests) + 1, policy=policy, park_when_off=lanes_for is not None,
+        paged_cache_readable=True,
     )
     layer.allocate(policy, lanes.region_rows, max_drafts, dtype)
     checked_lane_tokens = 0
@@ -360,6 +362,46 @@ def test_region_caught_up_from_the_paged_cache_after_steps_without_lanes(policy)
     checked, _ = run_simulation(policy, requests, chunk=16, num_lanes=3, lane_len=2, max_drafts=4,
                                 steps=60, seed=12, lanes_for=off_and_on(5))
     assert checked > 0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        StreamingPolicy(4, 32, StreamingPolicy.Settings()),
+        StreamingPolicy(0, 12, StreamingPolicy.Settings()),
+        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=3, recent_tokens=8)),
+        SnapKVPolicy(2, 24, SnapKVSettings(window=4, kernel=1, recent_tokens=8)),
+    ],
+    ids=["streaming", "streaming-no-sinks", "quest", "snapkv"],
+)
+@pytest.mark.parametrize("lanes_for", [None, off_and_on(9)], ids=["lanes on", "lanes off and on"])
+def test_region_after_a_prefix_cache_hit_matches_dense_reference(policy, lanes_for):
+    """A request whose first chunk starts after a prefix-cache hit (hits shorter than
+    the sinks, inside the ring, longer than the region; chunked) reads the hit back."""
+    requests = [Request(f"r{i}", n, seed=110 + i, cached=hit)
+                for i, (n, hit) in enumerate([(40, 1), (30, 20), (80, 64), (9, 3)])]
+    checked, _ = run_simulation(policy, requests, chunk=8, num_lanes=3, lane_len=2, max_drafts=4,
+                                steps=50, seed=14, lanes_for=lanes_for)
+    assert checked > 0
+
+
+def test_only_a_first_chunk_takes_a_row_and_a_hit_is_read_back_when_the_cache_is_readable():
+    policy = StreamingPolicy(2, 8, StreamingPolicy.Settings())  # ring of 6 slots
+    make = lambda readable: FumbleLanes(num_lanes=2, lane_len=2, max_key_len=2, max_drafts=2,
+                                        max_model_len=4096, region_rows=1, policy=policy,
+                                        paged_cache_readable=readable)
+    lanes = make(readable=True)
+    # "a" starts after a 20-token hit and takes the only row; "b" finds none.
+    plan = lanes.plan_step(BatchView(["a", "b"], np.array([0, 5, 9]), np.array([20, 0]), [0, 0], 9, 100))
+    (catch_up,) = plan.catch_up
+    assert catch_up.positions.tolist() == [0, 1, 15, 16, 17, 18, 19]  # sinks + ring up to the chunk
+    assert plan.new_rows == (0,) and lanes.num_regions_in_use == 1
+    lanes.remove_requests(["a"])  # a row is free again, but "b" is past its first chunk
+    plan = lanes.plan_step(BatchView(["b"], np.array([0, 4]), np.array([4]), [0], 4, 100))
+    assert plan.new_rows == () and lanes.num_regions_in_use == 0
+    unreadable = make(readable=False)
+    plan = unreadable.plan_step(BatchView(["a"], np.array([0, 5]), np.array([20]), [0], 5, 100))
+    assert plan.new_rows == () and plan.catch_up == ()  # runs pool-only
 
 
 @pytest.mark.parametrize(

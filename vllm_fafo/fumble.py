@@ -82,9 +82,15 @@ class FumbleLanes:
     the positions missed are read back from the paged cache when lanes run again
     (needs a paged-KV reader; the goodput controller keeps lanes off for long
     stretches where they do not pay)."""
+    paged_cache_readable: bool = False
+    """The paged cache can be read back (:func:`~vllm_fafo.attention.paged_kv.paged_kv_readable`):
+    a request whose first chunk starts after a prefix-cache hit takes a row and
+    its region reads the hit's positions back; without it such a request runs pool-only."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _requests: dict[str, _RequestLanes] = field(default_factory=dict)
     _free_rows: list[int] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set)
+    """Requests planned at least once: only a request's first chunk may take a row."""
 
     def __post_init__(self) -> None:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
@@ -97,6 +103,7 @@ class FumbleLanes:
 
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:
+            self._seen.discard(req_id)
             state = self._requests.pop(req_id, None)
             if state is not None:
                 self._free_rows.append(state.region_row)
@@ -144,8 +151,13 @@ class FumbleLanes:
                     commit_src.extend(range(staged_base, staged_base + accepted))
                     commit_dst.extend((base + layout.slots(committed)).tolist())
                     state.region_end = state.staged_x_pos + 1 + accepted
-                if state.region_end < r.first_pos:
-                    catch_up.append(self._catch_up(r, base))
+            if state.region_end < r.first_pos:
+                # Computed without the region: while parked, a won branch, or a
+                # prefix-cache hit (vLLM computed them for an earlier request).
+                missed = self._catch_up(r, base)
+                if missed.positions.numel():  # a one-slot ring may keep none of them
+                    catch_up.append(missed)
+            if r.is_decode:
                 known = 1  # x; the drafts behind it are only staged
                 num_drafts = r.end - r.start - 1
                 stage_src.extend(range(r.start + 1, r.end))
@@ -180,14 +192,17 @@ class FumbleLanes:
 
     def _rows_with_region(self, batch: BatchView) -> tuple[list[_Row], list[int]]:
         """The batch's requests that hold a region (a new one takes a free row at
-        its first prefill chunk), and the region rows taken this step."""
+        its first chunk, which starts after any prefix-cache hit), and the region
+        rows taken this step."""
         rows, new_rows = [], []
         for row, req_id in enumerate(batch.req_ids):
             start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
             first_pos = int(batch.num_computed_tokens[row])
             state = self._requests.get(req_id)
             if state is None:
-                if first_pos != 0 or not self._free_rows:
+                first_chunk = req_id not in self._seen
+                self._seen.add(req_id)
+                if not first_chunk or not self._free_rows or (first_pos and not self.paged_cache_readable):
                     continue  # no region for it: the request runs pool-only
                 state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
                 new_rows.append(state.region_row)
@@ -197,8 +212,7 @@ class FumbleLanes:
 
     def _catch_up(self, r: _Row, base: int) -> RegionCatchUp:
         """The sink and ring slots of positions region_end..first_pos-1, which the
-        region missed while the request's lanes were off (x, at first_pos, is
-        written this step and takes the oldest ring slot)."""
+        region missed (first_pos is written this step and takes the oldest ring slot)."""
         layout = self.policy.layout
         lo, hi = r.state.region_end, r.first_pos
         sinks = np.arange(lo, min(hi, layout.sink_tokens))

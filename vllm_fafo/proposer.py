@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 
-from vllm_fafo.attention.paged_kv import paged_kv_readable
+from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
 from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.frozen_table import load_table
@@ -337,6 +337,14 @@ class FafoProposer:
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
         if region is not None:
+            readable = paged_kv_readable(vllm_config)
+            if vllm_config.cache_config.enable_prefix_caching and not readable:
+                logger.warning(
+                    "vllm-fafo: this engine's paged KV cache cannot be read back into the lanes' "
+                    "region (kv_cache_dtype %r, or a CPU attention ISA other than %s); requests "
+                    "whose prompt starts with a prefix-cache hit run without lanes",
+                    vllm_config.cache_config.cache_dtype, "/".join(VERIFIED_CPU_ISAS),
+                )
             self.lanes = FumbleLanes(
                 num_lanes=self.config.num_lanes,
                 lane_len=self.config.lane_len,
@@ -346,7 +354,8 @@ class FafoProposer:
                 region_rows=region.rows,
                 policy=region.policy,
                 stagger_lanes=self.config.stagger_lanes,
-                park_when_off=self.config.controller == "goodput" and paged_kv_readable(vllm_config),
+                park_when_off=self.config.controller == "goodput" and readable,
+                paged_cache_readable=readable,
                 device=vllm_config.device_config.device,
             )
 

@@ -346,7 +346,7 @@ def off_and_on(seed: int, on_share: float = 0.4):
     return lambda real, lane_requests, decoding, most: most if rng.random() < on_share else 0
 
 
-@pytest.mark.parametrize(
+CATCH_UP_POLICIES = pytest.mark.parametrize(
     "policy",
     [
         StreamingPolicy(4, 32, StreamingPolicy.Settings()),
@@ -356,6 +356,10 @@ def off_and_on(seed: int, on_share: float = 0.4):
     ],
     ids=["streaming", "streaming-no-sinks", "quest", "snapkv"],
 )
+"""Every policy, and sinks of 0: regions that read positions back from the paged cache."""
+
+
+@CATCH_UP_POLICIES
 def test_region_caught_up_from_the_paged_cache_after_steps_without_lanes(policy):
     # Sinks longer than some prompts: positions decoded while parked can fall in the sink.
     requests = [Request(f"r{i}", n, seed=70 + i) for i, n in enumerate([3, 40, 23])]
@@ -364,16 +368,7 @@ def test_region_caught_up_from_the_paged_cache_after_steps_without_lanes(policy)
     assert checked > 0
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        StreamingPolicy(4, 32, StreamingPolicy.Settings()),
-        StreamingPolicy(0, 12, StreamingPolicy.Settings()),
-        QuestPolicy(2, 26, QuestSettings(page_size=4, refresh_steps=3, recent_tokens=8)),
-        SnapKVPolicy(2, 24, SnapKVSettings(window=4, kernel=1, recent_tokens=8)),
-    ],
-    ids=["streaming", "streaming-no-sinks", "quest", "snapkv"],
-)
+@CATCH_UP_POLICIES
 @pytest.mark.parametrize("lanes_for", [None, off_and_on(9)], ids=["lanes on", "lanes off and on"])
 def test_region_after_a_prefix_cache_hit_matches_dense_reference(policy, lanes_for):
     """A request whose first chunk starts after a prefix-cache hit (hits shorter than

@@ -47,9 +47,7 @@ def test_lanes_keep_prefix_caching_and_read_a_hit_back_into_the_region(plain_llm
     config = lanes_llm.llm_engine.vllm_config
     assert config.cache_config.enable_prefix_caching
     assert config.model_config.enforce_eager is True
-    texts = load_prompts("mtbench", 10)
-    shared = "\n".join(texts[:8])
-    prompts = chat_prompts(lanes_llm, [f"{shared}\n\nAnswer only this one: {q}" for q in texts[8:]])
+    prompts = chat_prompts(lanes_llm, load_prompts("shared-prefix", 2))
     expected = token_ids(generate_one_by_one(plain_llm, prompts, greedy(64)))
     hits, before = prefix_cache_hits(lanes_llm), collect_metrics(lanes_llm)
     got = token_ids(generate_one_by_one(lanes_llm, prompts, greedy(64)))

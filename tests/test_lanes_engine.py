@@ -52,19 +52,17 @@ def test_lanes_keep_prefix_caching_and_read_a_hit_back_into_the_region(plain_llm
     # Earlier tests' prompts (MT-Bench's first question opens the document) must not
     # give the first prompt a hit of its own: only the second one's is counted below.
     assert lanes_llm.reset_prefix_cache()
-    hits, before = prefix_cache_hits(lanes_llm), collect_metrics(lanes_llm)
+    before = collect_metrics(lanes_llm)
     got = token_ids(generate_one_by_one(lanes_llm, prompts, greedy(64)))
     assert_same_tokens(expected, got)
     after = collect_metrics(lanes_llm)
-    assert prefix_cache_hits(lanes_llm) - hits >= config.cache_config.block_size
-    # Only the hit is caught up here (the fixed controller never parks a region):
-    # its sinks and the ring's worth before the first computed position.
+    # Only a hit is caught up here (the fixed controller never parks a region): the
+    # second request's first chunk starts after it, and its region reads back the
+    # sinks and the ring's worth before that chunk. (vLLM's own hit counter is not
+    # read: with several engines in one process its registry holds the newest's.)
     assert after["caught_up_positions"] - before["caught_up_positions"] == LANES_SPEC["kv_budget"] - 1
     assert after["tail_tokens"] > before["tail_tokens"]  # and lanes ran on that region
 
-
-def prefix_cache_hits(llm) -> int:
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
 def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, monkeypatch):

@@ -126,6 +126,7 @@ def make_mode_proposer(config: FafoConfig) -> FafoProposer:
         model_config=SimpleNamespace(max_model_len=4096),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
         device_config=SimpleNamespace(device="cpu"),
+        cache_config=SimpleNamespace(cache_dtype="fp8", enable_prefix_caching=False),  # not read back
     )
     return FafoProposer(vllm_config)
 

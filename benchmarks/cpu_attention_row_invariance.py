@@ -44,8 +44,10 @@ class PagedAttention:
     def __init__(self, dtype: torch.dtype, split_kv: bool) -> None:
         self.dtype, self.split_kv = dtype, split_kv
         self.isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_DIM)
-        cache = torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE * 2, HEAD_DIM, dtype=dtype)
-        self.key_cache, self.value_cache = cache.chunk(2, dim=2)
+        self.kv_cache = torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
+        """vLLM's CPU cache shape; split into keys and values as its forward does."""
+        halves = self.kv_cache.view(NUM_BLOCKS, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_DIM)
+        self.key_cache, self.value_cache = halves.chunk(2, dim=2)
 
     def __call__(self, requests: list[Request]) -> list[torch.Tensor]:
         """Each request's output rows, from one kernel call over all of them."""

@@ -64,7 +64,6 @@ def test_lanes_keep_prefix_caching_and_read_a_hit_back_into_the_region(plain_llm
     assert after["tail_tokens"] > before["tail_tokens"]  # and lanes ran on that region
 
 
-
 def test_lane_tokens_write_nothing_to_the_paged_kv_cache(lanes_llm, mtbench, monkeypatch):
     """Each KV write with a tail must equal the same write without the tail."""
     original = FafoCPUAttentionBackendImpl.do_kv_cache_update

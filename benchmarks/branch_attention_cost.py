@@ -1,12 +1,16 @@
-"""Host time of one step's draft-tree branch attention, all layers, against torch SDPA.
+"""Host time of one step's draft-tree branch attention, all layers, three ways.
 
-Draft-tree branches (vllm_fafo.tree) run their own attention in every layer:
-the request's blocks gathered whole from vLLM's CPU paged cache, then
-softmax over exactly the keys each branch token sees
-(``request_branch_attention``). This times that per step on synthetic caches
-shaped like a model's layers, next to the same attention through
-``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask
-(what the plugin used first), and checks they agree.
+Draft-tree branches (vllm_fafo.tree) attend in every layer to the request's
+paged KV and their own branch. On CPU they run through vLLM's own attention
+kernel (``run_branches_in_kernel``: each branch's keys and values written
+over its spine's slots, the kernel called for the branch queries, the
+spine's written back; one call per layer for the k-th branch of every
+request). This times that per step on synthetic caches shaped like a
+model's layers, next to the plugin's written-out attention (the request's
+blocks gathered whole, softmax over exactly the keys each branch token sees:
+``request_branch_attention``, the path of wrappers without a kernel) and
+the same attention through ``torch.nn.functional.scaled_dot_product_attention``
+with a boolean mask (what the plugin used first), and checks all three agree.
 
     python benchmarks/branch_attention_cost.py --contexts 300,600,2000
 """
@@ -15,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_fafo.attention.branch_attention import request_branch_attention
+from vllm_fafo.attention.branch_attention import kernel_rounds, request_branch_attention, run_branches_in_kernel
+from vllm_fafo.attention.cpu import CPUBranchKernel
 from vllm_fafo.attention.paged_kv import CPUPagedKV
-from vllm_fafo.tree import Branch, layout_request
+from vllm_fafo.tree import Branch, BranchPlan, branch_positions, layout_request
 
 SHAPES = {  # query heads, KV heads, head size, layers
     "SmolLM2-135M": (9, 3, 64, 30),
@@ -41,35 +48,55 @@ def _sdpa(query, key, value, key_tiles, value_tiles, request, scale):
 
 
 def time_step(shape: str, context: int, branches: list[Branch], block_size: int, repeat: int) -> dict:
+    """ms per step of each way, for one request whose current token sits at ``context - 1 -
+    its spine``: the batch holds the current token and the spine, then the branch tokens."""
     query_heads, kv_heads, dim, layers = SHAPES[shape]
     gen = torch.Generator().manual_seed(context)
+    spine = max(branch.node + len(branch.tokens) for branch in branches)
+    x_position = context - 1 - spine
     num_blocks = -(-(context + 64) // block_size)
     cache = torch.randn(num_blocks + 2, kv_heads, block_size, 2 * dim, generator=gen)
     block_table = (torch.randperm(num_blocks + 2, generator=gen)[:num_blocks]).to(torch.int32)[None]
     reader = CPUPagedKV(cache, block_table, "vec")
-    request = layout_request("r", 0, 0, context - 1 - max(b.node for b in branches), 0, branches,
-                             torch.device("cpu"))
-    tokens = request.num_tokens
+    request = layout_request("r", 0, 0, x_position, spine + 1, branches, torch.device("cpu"))
+    tokens = spine + 1 + request.num_tokens
     query = torch.randn(tokens, query_heads, dim, generator=gen)
     key, value = torch.randn(tokens, kv_heads, dim, generator=gen), torch.randn(tokens, kv_heads, dim, generator=gen)
+    reader.write(0, torch.arange(x_position, context), key[: spine + 1], value[: spine + 1])  # as vLLM wrote them
     scale = dim ** -0.5
+    rows = request.tokens
+    plan = BranchPlan(np.zeros(request.num_tokens, dtype=np.int64), branch_positions(request), (request,))
+    kernel = CPUBranchKernel(
+        SimpleNamespace(num_heads=query_heads, num_kv_heads=kv_heads, head_size=dim, scale=scale, alibi_slopes=None,
+                        sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto"),
+        SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0), cache)
 
-    def step(attention) -> torch.Tensor:
+    def written_out(attention) -> torch.Tensor:
         for _ in range(layers):
             key_tiles, value_tiles = reader.read_tiles(0, request.num_paged)
-            out = attention(query, key, value, key_tiles, value_tiles, request, scale)
+            out = attention(query[rows], key[rows], value[rows], key_tiles, value_tiles, request, scale)
         return out
 
-    results = {}
-    for name, attention in (("plugin", request_branch_attention), ("sdpa", _sdpa)):
-        step(attention)
+    def through_kernel() -> torch.Tensor:
+        plan.kv_stash.clear()
+        output = torch.zeros_like(query)
+        rounds = kernel_rounds(plan, block_table, block_size)  # once per step
+        for _ in range(layers):
+            run_branches_in_kernel(plan, rounds, query, key, value, output, kernel, reader)
+        return output[rows]
+
+    ways = {"kernel": through_kernel, "plugin": lambda: written_out(request_branch_attention),
+            "sdpa": lambda: written_out(_sdpa)}
+    results, outputs = {}, {}
+    for name, way in ways.items():
+        outputs[name] = way()
         start = time.perf_counter()
         for _ in range(repeat):
-            out = step(attention)
+            way()
         results[name] = (time.perf_counter() - start) / repeat * 1e3
-        results[name + "_out"] = out
-    torch.testing.assert_close(results.pop("plugin_out"), results.pop("sdpa_out"), rtol=1e-4, atol=1e-5)
-    return {"shape": shape, "context": context, "branch_tokens": tokens, **results}
+    torch.testing.assert_close(outputs["plugin"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(outputs["kernel"], outputs["plugin"], rtol=1e-4, atol=1e-5)
+    return {"shape": shape, "context": context, "branch_tokens": request.num_tokens, **results}
 
 
 def main() -> None:
@@ -82,14 +109,15 @@ def main() -> None:
     args = parser.parse_args()
     branch_lens = [int(n) for n in args.branches.split(",")]
     branches = [Branch(node, tuple(range(1, n + 1))) for node, n in enumerate(branch_lens)]
-    print("| shape | context | branch tokens | plugin ms/step | torch SDPA ms/step |")
-    print("|---|---|---|---|---|")
+    print("| shape | context | branch tokens | vLLM kernel ms/step | written out ms/step | torch SDPA ms/step |")
+    print("|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
             parser.error(f"unknown shape {shape!r}; allowed: {', '.join(SHAPES)}")
         for context in (int(c) for c in args.contexts.split(",")):
             row = time_step(shape, context, branches, args.block_size, args.repeat)
-            print(f"| {shape} | {context} | {row['branch_tokens']} | {row['plugin']:.2f} | {row['sdpa']:.2f} |")
+            print(f"| {shape} | {context} | {row['branch_tokens']} | {row['kernel']:.2f} | {row['plugin']:.2f} "
+                  f"| {row['sdpa']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """Whether vLLM's CPU attention kernel gives one query row the same bits whatever batch it runs in.
 
 A draft-tree branch is exact only if the target's logits at its tokens are the
-ones a spine verification of the same tokens would give. The plugin's branch
-attention is its own (float32 matmuls over the paged cache), so trees are
-refused unless the model runs in float32 (README, "Draft trees"). Running the
-branch queries through vLLM's own kernel instead would be exact if the kernel's
-output for a query row depended only on that row's query and keys, not on the
-rows and requests around it. This calls ``ops.cpu_attention_with_kv_cache``
+ones a spine verification of the same tokens would give. On CPU the plugin runs
+branch queries through vLLM's own kernel (README, "Draft trees"), but in
+another arrangement than a verification: alone or beside other requests'
+branches. That is exact if the kernel's output for a query row depends only
+on that row's query and keys, not on the rows and requests around it. This calls ``ops.cpu_attention_with_kv_cache``
 (vLLM 0.32.0) on a random paged cache for one request of ``q`` query rows
 (a verification step), then for the same rows
 

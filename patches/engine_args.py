@@ -147,14 +147,17 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
 
 
 def refuse_inexact_branches(vllm_config) -> None:
-    """Draft-tree branches need float32: their attention is not vLLM's kernel.
+    """Draft-tree branches need float32: only there are their logits plain vLLM's.
 
-    A branch token's logits come from the plugin's own attention over the paged
-    cache (:mod:`vllm_fafo.attention.branch_attention`), not from the kernel
-    that computes the same position for plain vLLM. In float32 the two differ
-    by float32 rounding (identity tested on CPU); in bfloat16 the difference
-    flipped a greedy token on an H100 (2026-11-23), so the tree would not be
-    lossless. Checked on the resolved config, where ``dtype="auto"`` is known.
+    On CPU a branch token's attention runs through vLLM's own kernel
+    (:mod:`vllm_fafo.attention.branch_attention`), but in another arrangement
+    than a verification of the same tokens as the spine, and with vLLM's
+    default split over the keys the kernel's rows change with the arrangement
+    (README, "bfloat16 on CPU"); on CUDA it is the plugin's own attention over
+    the paged cache. In float32 either differs from the spine's by float32
+    rounding (identity tested on CPU); in bfloat16 the difference flipped a
+    greedy token on an H100 (2026-11-23), so the tree would not be lossless.
+    Checked on the resolved config, where ``dtype="auto"`` is known.
     """
     settings = fafo_settings(vllm_config)
     if settings is None or settings["num_candidates"] == 1:
@@ -163,9 +166,9 @@ def refuse_inexact_branches(vllm_config) -> None:
     if dtype != torch.float32:
         raise FafoConfigError(
             f"speculative_config num_candidates={settings['num_candidates']} verifies draft-tree "
-            f"branches with the plugin's own attention, which matches vLLM's kernel only in float32; "
-            f"the model runs in {dtype}, where a branch could accept a token plain vLLM would not "
-            "pick. Set num_candidates to 1, or dtype to float32"
+            f"branches with attention that matches a verification of the same tokens only to float32 "
+            f"rounding; the model runs in {dtype}, where a branch could accept a token plain vLLM "
+            "would not pick. Set num_candidates to 1, or dtype to float32"
         )
 
 

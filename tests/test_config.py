@@ -71,7 +71,7 @@ def test_lane_settings_accepted():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_draft_trees_refused_below_float32_with_key_value_and_fix(model_dir, dtype):
-    """Branch attention is the plugin's own, not the kernel plain vLLM runs: exact only in float32."""
+    """Branch attention matches a verification of the same tokens only to float32 rounding."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=model_dir, dtype=dtype,

@@ -269,3 +269,31 @@ def test_draft_trees_select_the_wrapping_backend_and_eager_but_keep_prefix_cachi
     monkeypatch.setattr(engine_args, "current_platform", fake_platform("rocm"))
     with pytest.raises(FafoConfigError, match="on rocm set num_candidates to 1"):
         engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=dict(spec)))
+
+
+@pytest.mark.parametrize("kwargs, feature", [
+    ({"sliding_window": 128}, "a sliding window"),
+    ({"logits_soft_cap": 30.0}, "logit soft-capping"),
+    ({"alibi_slopes": [0.5] * HQ}, "ALiBi"),
+])
+def test_draft_trees_refused_where_written_out_branches_would_miss_the_layer_s_attention(
+        monkeypatch, kwargs, feature):
+    """The FlashAttention wrapper writes branch attention out as plain softmax; a layer that
+    attends otherwise would verify branches against other logits than plain vLLM's."""
+    import dataclasses
+
+    from vllm_fafo.attention import lane_impl
+    from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
+    from vllm_fafo.config import FafoConfig
+
+    settings = dataclasses.asdict(FafoConfig(num_lanes=0, num_candidates=4))
+    monkeypatch.setattr(lane_impl, "get_current_vllm_config_or_none",
+                        lambda: SimpleNamespace(additional_config={"fafo": settings}))
+    args = {"alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **kwargs}
+    with pytest.raises(FafoConfigError, match=f"num_candidates > 1: this model's attention uses {feature}"):
+        FafoFlashAttentionImpl(HQ, D, SCALE, HK, **args)
+    FafoFlashAttentionImpl(HQ, D, SCALE, HK, None, None, "auto")  # plain softmax attention: trees run
+    settings["num_candidates"] = 1
+    FafoFlashAttentionImpl(HQ, D, SCALE, HK, **args)  # spine only: nothing written out
+    # the CPU wrapper runs branches through vLLM's kernel, with the layer's own settings
+    assert FafoCPUAttentionBackendImpl.branch_kernel is not LaneAttentionMixin.branch_kernel

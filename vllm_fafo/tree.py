@@ -151,6 +151,10 @@ class BranchPlan:
     positions: np.ndarray
     requests: tuple[RequestBranches, ...]
     kv_stash: list[tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kernel_rounds: dict[int, list[Any]] = field(default_factory=dict)
+    """The branches as calls of the base backend's kernel, by the block table they
+    index (``vllm_fafo.attention.branch_attention.kernel_rounds``), built by the first
+    layer that runs them."""
 
     @property
     def num_tokens(self) -> int:

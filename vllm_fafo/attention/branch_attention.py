@@ -2,20 +2,129 @@
 
 A branch token at spine node ``j`` sees paged positions ``0..x+j`` (vLLM wrote
 this step's spine tokens before the layer's attention ran) and the earlier
-tokens of its own branch, nothing else: softmax over exactly those keys, with
-the bias built once per step (:func:`vllm_fafo.tree.layout_request`), one
-call per request and layer, over the request's pages gathered whole. The layer's branch keys and values are kept
-on the plan, so an accepted branch's KV can be copied into the paged cache
-once sampling is done (:mod:`vllm_fafo.tree`).
+tokens of its own branch, nothing else. Two ways to compute it:
+
+- **Through the base backend's own kernel** (:func:`run_branches_in_kernel`,
+  where the wrapper has a :class:`BranchKernel`: vLLM's CPU attention). A
+  branch off node ``j`` with ``n`` tokens occupies positions ``x+j+1 ..
+  x+j+n``, which hold the spine's drafts (a branch is never deeper than its
+  spine): its keys and values are written over those slots, the kernel
+  attends its queries causally over the request's pages exactly as it
+  attends a spine verification of the same tokens, and the spine's keys and
+  values, which this step's ``key``/``value`` still hold, are written back.
+  One kernel call per layer for the k-th branch of every request (a
+  request's branches overlap each other's slots or context).
+- **Written out** (:func:`run_branches`, the other wrappers and the dense
+  reference): softmax over exactly those keys, with the bias built once per
+  step (:func:`vllm_fafo.tree.layout_request`), one call per request and
+  layer, over the request's pages gathered whole.
+
+Either way the layer's branch keys and values are kept on the plan, so an
+accepted branch's KV can be copied into the paged cache once sampling is
+done (:mod:`vllm_fafo.tree`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.tree import BranchPlan, RequestBranches
+
+Rows = slice | torch.Tensor
+"""Batch indices: a slice where they run consecutively (one request: indexing is a view)."""
+
+
+def _rows(indices: np.ndarray, device: torch.device) -> Rows:
+    if len(indices) and np.array_equal(indices, np.arange(indices[0], indices[0] + len(indices))):
+        return slice(int(indices[0]), int(indices[0]) + len(indices))
+    return torch.from_numpy(indices).to(device)
+
+
+@dataclass
+class KernelRound:
+    """The k-th branch of every request that has one: one kernel call per layer.
+
+    Built once per step (:func:`kernel_rounds`); every layer reads it."""
+
+    query_rows: Rows  # batch indices of the branch tokens, request by request
+    spine_rows: Rows  # batch indices of the spine tokens at the same positions
+    slots: torch.Tensor  # (n,) int64: the paged-cache slots of those positions
+    query_start_loc: torch.Tensor  # (requests + 1,) int32
+    seq_lens: torch.Tensor  # (requests,) int32: positions each request's last branch token sees
+    block_table: torch.Tensor  # (requests, blocks) int32: the requests' rows of vLLM's block table
+    backend_state: dict[Any, Any] = field(default_factory=dict)
+    """What the kernel derives once per step and layer shape (the CPU kernel's work split)."""
+
+
+class BranchKernel(Protocol):
+    """The base backend's own attention over its paged cache, for branch queries."""
+
+    block_size: int
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``key``/``value`` (n, Hk, D) at ``slots``, as the backend stores this step's KV."""
+
+    def attend(self, query: torch.Tensor, kernel_round: KernelRound) -> torch.Tensor:
+        """Causal attention output (n, Hq, D) of ``query`` over the round's requests' pages."""
+
+
+def kernel_rounds(plan: BranchPlan, block_table: torch.Tensor, block_size: int) -> list[KernelRound]:
+    """The plan's branches as kernel calls: round k holds each request's k-th branch."""
+    rounds = []
+    for k in range(max(len(request.branches) for request in plan.requests)):
+        query_rows, spine_rows, positions, batch_rows, lengths, seq_lens = [], [], [], [], [], []
+        for request in plan.requests:
+            if k >= len(request.branches):
+                continue
+            branch, offset = request.branches[k], request.offsets()[k]
+            n, after = len(branch.tokens), np.arange(len(branch.tokens))
+            query_rows.append(request.start + offset + after)
+            spine_rows.append(request.x_index + branch.node + 1 + after)
+            positions.append(request.x_position + branch.node + 1 + after)
+            batch_rows.append(np.full(n, request.batch_row))
+            lengths.append(n)
+            seq_lens.append(request.x_position + branch.node + 1 + n)
+        device = block_table.device
+        rows = torch.from_numpy(np.concatenate(batch_rows)).to(device)
+        where = torch.from_numpy(np.concatenate(positions)).to(device)
+        slots = block_table[rows, where // block_size].long() * block_size + where % block_size
+        first_rows = torch.tensor([request.batch_row for request in plan.requests if k < len(request.branches)],
+                                  device=device)
+        rounds.append(KernelRound(
+            query_rows=_rows(np.concatenate(query_rows), device),
+            spine_rows=_rows(np.concatenate(spine_rows), device),
+            slots=slots,
+            query_start_loc=torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=block_table.index_select(0, first_rows),
+        ))
+    return rounds
+
+
+def run_branches_in_kernel(
+    plan: BranchPlan,
+    rounds: list[KernelRound],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    kernel: BranchKernel,
+    reader: PagedKVReader,
+) -> None:
+    """Write every branch token's attention output through the backend's kernel,
+    leaving the paged cache as vLLM wrote it; stash this layer's branch KV."""
+    for kernel_round in rounds:
+        rows, spine = kernel_round.query_rows, kernel_round.spine_rows
+        kernel.write(key[rows], value[rows], kernel_round.slots)
+        output[rows] = kernel.attend(query[rows], kernel_round).to(output.dtype)
+        kernel.write(key[spine], value[spine], kernel_round.slots)  # the spine's drafts, as vLLM wrote them
+    _stash(plan, key, value, reader)
 
 
 def request_branch_attention(
@@ -68,5 +177,9 @@ def run_branches(
             query[rows], key[rows], value[rows], key_tiles.to(key.dtype), value_tiles.to(value.dtype),
             request, scale,
         ).to(output.dtype)
+    _stash(plan, key, value, reader)
+
+
+def _stash(plan: BranchPlan, key: torch.Tensor, value: torch.Tensor, reader: PagedKVReader) -> None:
     span = slice(plan.first_token, plan.first_token + plan.num_tokens)
     plan.kv_stash.append((reader, key[span].clone(), value[span].clone()))

@@ -1,0 +1,152 @@
+"""Draft-tree branches through vLLM's own CPU attention kernel: equal to the dense
+reference, the paged cache left exactly as vLLM wrote it, and (bf16, split over the
+keys off) each branch row bit for bit what a verification of the same tokens as the
+spine gives."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from vllm_fafo.attention.branch_attention import (
+    kernel_rounds,
+    request_branch_attention,
+    run_branches_in_kernel,
+)
+from vllm_fafo.attention.cpu import CPUBranchKernel
+from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, CPUPagedKV
+from vllm_fafo.tree import Branch, BranchPlan, branch_positions, layout_request
+
+HQ, HK, D, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 128, 24
+"""SmolLM2-135M's attention, vLLM's CPU block size."""
+REQUESTS = (  # (tokens before the current one, spine length, branches)
+    (300, 4, (Branch(0, (1, 2, 3)), Branch(1, (4, 5)), Branch(0, (6,)))),
+    (129, 2, (Branch(1, (7,)),)),
+    (700, 5, (Branch(2, (8, 9, 10)), Branch(0, (11, 12, 13, 14, 15)))),
+)
+
+
+class Batch:
+    """A step's batch: each request's current token and spine, then every branch
+    token in the tail; earlier context and this step's spine written to a paged cache
+    with vLLM's own write, as vLLM has written them when attention runs."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.isa = _get_attn_isa(dtype, BLOCK_SIZE, D)
+        if self.isa not in VERIFIED_CPU_ISAS:
+            pytest.skip(f"CPU attention ISA {self.isa!r}: CPUPagedKV reads only {VERIFIED_CPU_ISAS}")
+        self.kv_cache = torch.zeros(NUM_BLOCKS, HK, BLOCK_SIZE, 2 * D, dtype=dtype)
+        halves = self.kv_cache.view(NUM_BLOCKS, HK, 2 * BLOCK_SIZE, D)
+        self.key_cache, self.value_cache = halves.chunk(2, dim=2)
+        blocks = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
+        self.block_table = torch.zeros(len(REQUESTS), 8, dtype=torch.int32)
+        spine_tokens = sum(1 + spine for _, spine, _ in REQUESTS)
+        tail_tokens = sum(len(b.tokens) for *_, branches in REQUESTS for b in branches)
+        total = spine_tokens + tail_tokens
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        self.query, self.key, self.value = randn(total, HQ, D), randn(total, HK, D), randn(total, HK, D)
+        requests, x_index, start, used = [], 0, spine_tokens, 0
+        for row, (x_position, spine, branches) in enumerate(REQUESTS):
+            needed = -(-(x_position + 1 + spine) // BLOCK_SIZE)
+            self.block_table[row, :needed] = blocks[used : used + needed]
+            used += needed
+            self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
+            rows = slice(x_index, x_index + 1 + spine)
+            self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
+            request = layout_request(f"r{row}", row, x_index, x_position, start, branches, torch.device("cpu"))
+            requests.append(request)
+            x_index += 1 + spine
+            start += request.num_tokens
+        self.plan = BranchPlan(np.zeros(tail_tokens, dtype=np.int64),
+                               np.concatenate([branch_positions(r) for r in requests]), tuple(requests))
+        self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        self.impl = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, scale=D**-0.5, alibi_slopes=None,
+                                    sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto")
+
+    def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        return self.block_table[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+
+    def write(self, row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        ops.cpu_attn_reshape_and_cache(key, value, self.key_cache, self.value_cache, self.slots(row, positions),
+                                       self.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    def run_kernel_path(self) -> torch.Tensor:
+        output = torch.zeros_like(self.query)
+        kernel = CPUBranchKernel(self.impl, self.layer, self.kv_cache)
+        rounds = kernel_rounds(self.plan, self.block_table, BLOCK_SIZE)
+        reader = CPUPagedKV(self.kv_cache, self.block_table, self.isa)
+        run_branches_in_kernel(self.plan, rounds, self.query, self.key, self.value, output, kernel, reader)
+        return output
+
+    def verify(self, row: int, node: int, branch: Branch, branch_rows: slice) -> torch.Tensor:
+        """What vLLM's kernel gives the branch tokens in a verification of (the current
+        token, spine tokens up to ``node``, then the branch) as the request's spine."""
+        x_position, x_index = self.plan.requests[row].x_position, self.plan.requests[row].x_index
+        positions = torch.arange(x_position + node + 1, x_position + node + 1 + len(branch.tokens))
+        saved = self.kv_cache.clone()
+        self.write(row, positions, self.key[branch_rows], self.value[branch_rows])
+        query = torch.cat([self.query[x_index : x_index + node + 1], self.query[branch_rows]])
+        seq_lens = torch.tensor([x_position + node + 1 + len(branch.tokens)], dtype=torch.int32)
+        query_start_loc = torch.tensor([0, len(query)], dtype=torch.int32)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=HQ, num_kv_heads=HK, head_dim=D, seq_lens=seq_lens, dtype=self.dtype,
+            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+        output = torch.empty_like(query)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=self.key_cache, value_cache=self.value_cache, output=output,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=D**-0.5, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=self.block_table[row : row + 1], softcap=0.0,
+            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+            kv_cache_dtype="auto")
+        self.kv_cache.copy_(saved)
+        return output[node + 1 :]
+
+
+def test_kernel_path_matches_the_dense_reference_and_leaves_the_cache_as_vllm_wrote_it():
+    batch = Batch(torch.float32)
+    before = batch.kv_cache.clone()
+    got = batch.run_kernel_path()
+    assert torch.equal(batch.kv_cache, before)
+    reader = CPUPagedKV(batch.kv_cache, batch.block_table, batch.isa)
+    for request in batch.plan.requests:
+        rows = request.tokens
+        key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
+        want = request_branch_attention(batch.query[rows], batch.key[rows], batch.value[rows], key_tiles,
+                                        value_tiles, request, D**-0.5)
+        torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+    assert len(batch.plan.kv_stash) == 1  # this layer's branch KV, for an accepted branch's write-back
+    assert batch.plan.kv_stash[0][1].shape[0] == batch.plan.num_tokens
+
+
+def test_kernel_rounds_hold_one_branch_per_request_each():
+    batch = Batch(torch.float32)
+    rounds = kernel_rounds(batch.plan, batch.block_table, BLOCK_SIZE)
+    assert len(rounds) == max(len(branches) for *_, branches in REQUESTS)
+    assert [len(r.seq_lens) for r in rounds] == [3, 2, 1]
+    first = rounds[0]  # request 0's branch off node 0 (3 tokens): positions 301..303
+    assert first.seq_lens.tolist() == [300 + 0 + 1 + 3, 129 + 1 + 1 + 1, 700 + 2 + 1 + 3]
+    assert first.spine_rows[:3].tolist() == [1, 2, 3]
+    assert torch.equal(first.slots[:3], batch.slots(0, torch.tensor([301, 302, 303])))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_branch_row_is_what_verifying_its_tokens_as_the_spine_gives(monkeypatch, dtype):
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    batch = Batch(dtype, seed=3)
+    got = batch.run_kernel_path()
+    compared = 0
+    for row, request in enumerate(batch.plan.requests):
+        for branch, offset in zip(request.branches, request.offsets()):
+            rows = slice(request.start + offset, request.start + offset + len(branch.tokens))
+            assert torch.equal(got[rows], batch.verify(row, branch.node, branch, rows))
+            compared += 1
+    assert compared == sum(len(branches) for *_, branches in REQUESTS)

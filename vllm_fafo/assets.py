@@ -165,6 +165,24 @@ def shaped_model_dir(shape: str) -> Path:
     return out
 
 
+def smollm2_windowed_dir(window: int) -> Path:
+    """SmolLM2 with every layer a sliding-window layer of ``window`` tokens (Llama's
+    ``layer_types``, as vLLM 0.32.0 reads them; SmolLM2's weights, linked): a real
+    model whose attention is not plain softmax over the whole context."""
+    out = cache_dir() / f"SmolLM2-135M-Instruct-window{window}"
+    if (out / "config.json").exists():
+        return out
+    source = smollm2_dir()
+    config = json.loads((source / "config.json").read_text())
+    config.update(sliding_window=window, layer_types=["sliding_attention"] * config["num_hidden_layers"])
+    tmp_out = _model_folder_with_config(source, out, config)
+    weights = tmp_out / "model.safetensors"
+    weights.unlink(missing_ok=True)  # a staging folder left by an interrupted run
+    weights.symlink_to(source / "model.safetensors")
+    tmp_out.rename(out)
+    return out
+
+
 def _model_folder_with_config(source: Path, out: Path, config: dict) -> Path:
     """``out``'s staging folder (renamed to ``out`` by the caller when complete): the
     tokenizer and other files of ``source``, without its weights, and ``config``."""

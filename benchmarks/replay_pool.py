@@ -56,6 +56,7 @@ import numpy as np
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.goodput import GoodputController, StepOutcome
+from vllm_fafo.pool import alternatives_in
 from vllm_fafo.proposer import (
     chain_draft,
     file_new_ngrams,
@@ -116,7 +117,7 @@ def new_controller(config: FafoConfig) -> GoodputController:
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
            cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1,
-           controller: GoodputController | None = None) -> dict[str, float]:
+           controller: GoodputController | None = None, oracle: bool = False) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
     (:func:`scheduled`).
@@ -126,7 +127,12 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     that cost that much (:func:`step_seconds`), and the simulated tokens per
     second are reported too; without it drafts are kept whole. ``controller``:
     the one to cut with (default: a fresh one), so that one controller can run
-    through several cells, warm, as a matrix run's engine runs its cells."""
+    through several cells, warm, as a matrix run's engine runs its cells.
+
+    ``oracle``: each step's draft is, among the draft the setting finds and every
+    candidate of the request's pools under the text's suffixes (longest key first,
+    :func:`~vllm_fafo.pool.alternatives_in`), the one the text follows furthest: the
+    tau a perfect ranking of the candidates at hand would reach (uncut, spine only)."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
@@ -135,6 +141,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     if cost_ms is not None and controller is None:
         controller = new_controller(config)
     grows_trees = config.num_candidates > 1
+    if oracle and (grows_trees or cost_ms is not None):
+        raise ValueError("replay: the oracle ranks single drafts, uncut; drop cost_ms and num_candidates")
     if grows_trees and cost_ms is not None:
         raise ValueError("replay: draft trees are replayed uncut (every branch runs); drop cost_ms or "
                          "set num_candidates to 1")
@@ -168,6 +176,10 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             if not draft:
                 context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
                 draft, _, key_len = chain_draft(request.pools, None, context, k)
+            if oracle:
+                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
+                candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
+                draft = max(candidates, key=lambda c: accepted_prefix(c, request.output, request.done))
             drafts.append(draft)
             key_lens.append(key_len)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
@@ -327,6 +339,10 @@ def main() -> None:
                         help="comma list of requests decoded together (a new one starts as one finishes); "
                              "with --cost-ms each setting's controller runs through them in this order, "
                              "warm, as a matrix run's engine runs its cells")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also replay each setting with the best candidate at hand as the draft "
+                             "(the text's own continuation picked among the pools' candidates): what a "
+                             "perfect ranking would reach")
     parser.add_argument("--cost-ms", default=None, type=cost_ms_argument,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
@@ -346,6 +362,8 @@ def main() -> None:
     trees = any(config.num_candidates > 1 for _, config in settings)
     if trees and cost_ms is not None:
         parser.error("--cost-ms: draft trees (num_candidates > 1) are replayed uncut only")
+    if args.oracle and (trees or cost_ms is not None):
+        parser.error("--oracle: ranks single drafts, uncut; drop --cost-ms and num_candidates > 1")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {','.join(f'{v:g}' for v in cost_ms)} ms"
     print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
           + (" simulated tokens/s |" if cost_ms else "")
@@ -364,6 +382,9 @@ def main() -> None:
         controller = None if cost_ms is None else new_controller(config)
         for batch_size in batch_sizes:
             row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller))
+            if args.oracle:
+                row(f"{label}, best candidate at hand", batch_size, replay(config, requests, batch_size=batch_size,
+                                                                           oracle=True))
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_pool_replay_drafts_what_the_text_repeats():
     assert again["tau"] < costly["tau"]
 
 
-def test_pool_replay_of_draft_trees_accepts_the_branch_the_text_follows():
+def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_follows():
     from vllm_fafo.config import FafoConfig
 
     module = benchmark_script("replay_pool")
@@ -206,6 +206,10 @@ def test_pool_replay_of_draft_trees_accepts_the_branch_the_text_follows():
     assert tree["tau"] == 9.0 and tree["accepted_off_spine"] == 16 and tree["branch_tokens_per_forward"] == 8.0
     with pytest.raises(ValueError, match="uncut"):
         module.replay(config(num_candidates=2), [request], cost_ms=(10.0, 1.0, 1.0))
+    # The best candidate at hand as the draft (a perfect ranking): `older` at once, 2 forwards.
+    assert module.replay(config(), [request], oracle=True) == {"tau": 9.0, "draft_tokens_per_forward": 16 / 2}
+    with pytest.raises(ValueError, match="oracle"):
+        module.replay(config(num_candidates=2), [request], oracle=True)
 
 
 def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():

@@ -1,6 +1,8 @@
 """Runs one engine in its own process, for tests whose engines the test process
-cannot host next to its own: tensor parallel (two worker processes) and a 16k
-context (a KV cache of its own size).
+cannot host next to its own: tensor parallel (two worker processes), a 16k
+context (a KV cache of its own size) and another model (a sliding-window
+SmolLM2: an engine made and dropped in the test process takes vLLM's
+process-wide parallel state with it, under the session's other engines).
 
 Usage: ``python -m tests.engine_process CASE SPEC_JSON_OR_none OUT_JSON``, CASE one
 of :data:`CASES`. Writes the greedy tokens and, for FAFO, what the case checks.
@@ -76,7 +78,30 @@ def long16k(spec: dict | None) -> dict[str, Any]:
             "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
 
 
-CASES = {"tp2": tp2, "long16k": long16k}
+WINDOW = 48
+WINDOWED_PROMPTS = 6
+WINDOWED_MAX_TOKENS = 160
+
+
+def windowed(spec: dict | None) -> dict[str, Any]:
+    """MT-Bench prompts in one batch on SmolLM2 with every layer a ``WINDOW``-token
+    sliding window; for FAFO also its counters and the window vLLM ran."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    from vllm_fafo.assets import load_prompts, smollm2_windowed_dir
+    from vllm_fafo.metrics import collect_metrics
+
+    from .engine_utils import chat_prompts, greedy, make_llm, token_ids
+
+    llm = make_llm(str(smollm2_windowed_dir(WINDOW)), spec)
+    prompts = chat_prompts(llm, load_prompts("mtbench", WINDOWED_PROMPTS))
+    tokens = token_ids(llm.generate(prompts, greedy(WINDOWED_MAX_TOKENS), use_tqdm=False))
+    if spec is None:
+        return {"tokens": tokens}
+    return {"tokens": tokens, "metrics": collect_metrics(llm),
+            "sliding_window": llm.llm_engine.model_config.hf_config.sliding_window}
+
+
+CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed}
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,7 @@ import pytest
 from vllm_fafo.metrics import collect_metrics
 
 from .conftest import BATCH1_PROMPTS, TREE_SPEC
+from .engine_process import WINDOW, run_case
 from .engine_utils import assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
 from .test_sampling import MAX_TOKENS, NUM_SAMPLES, PROMPT, assert_same_distribution, sample
 
@@ -50,25 +51,16 @@ def test_concurrent_requests_identical_to_plain_with_branches_accepted(plain_llm
     assert _grew(tree_llm, before, "branch_accepted_tokens") > 0
 
 
-def test_sliding_window_model_identical_to_plain_with_branches_accepted(mtbench):
+def test_sliding_window_model_identical_to_plain_with_branches_accepted(tmp_path):
     """Branches attend through vLLM's CPU kernel with the layer's own window. Written
     out as plain softmax over the whole context (the release before), 5 of these 6
-    answers differed from plain vLLM's, from tokens 6-64 on."""
-    import gc
-
-    from vllm_fafo.assets import smollm2_windowed_dir
-
-    model = str(smollm2_windowed_dir(48))
-    prompts, params = mtbench[:6], greedy(160)
-    plain = make_llm(model, None)
-    expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
-    del plain
-    gc.collect()
-    tree = make_llm(model, TREE_SPEC)
-    got = token_ids(tree.generate(prompts, params, use_tqdm=False))
-    assert_same_tokens(expected, got)
-    assert collect_metrics(tree)["branch_wins"] > 0
-    assert tree.llm_engine.model_config.hf_config.sliding_window == 48
+    answers differed from plain vLLM's, from tokens 6-64 on. Each engine runs in its
+    own process (tests/engine_process.py)."""
+    expected = run_case("windowed", None, tmp_path)["tokens"]
+    result = run_case("windowed", TREE_SPEC, tmp_path)
+    assert result["sliding_window"] == WINDOW
+    assert_same_tokens(expected, result["tokens"])
+    assert result["metrics"]["branch_wins"] > 0
 
 
 def test_requests_a_branch_cannot_keep_exact_verify_the_spine_only(plain_llm, tree_llm, mtbench):

@@ -69,7 +69,8 @@ class Batch:
                                np.concatenate([branch_positions(r) for r in requests]), tuple(requests))
         self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
         self.impl = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, scale=D**-0.5, alibi_slopes=None,
-                                    sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto")
+                                    sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto",
+                                    attn_type="decoder")
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         return self.block_table[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE

@@ -75,14 +75,19 @@ class BranchKernel(Protocol):
 
 
 def kernel_rounds(plan: BranchPlan, block_table: torch.Tensor, block_size: int) -> list[KernelRound]:
-    """The plan's branches as kernel calls: round k holds each request's k-th branch."""
-    rounds = []
+    """The plan's branches as kernel calls: round k holds each request's k-th branch.
+    Built by the first layer that asks, kept on the plan per block table."""
+    rounds = plan.kernel_rounds.get(block_table.data_ptr())
+    if rounds is not None:
+        return rounds
+    rounds = plan.kernel_rounds[block_table.data_ptr()] = []
+    offsets = [request.offsets() for request in plan.requests]
     for k in range(max(len(request.branches) for request in plan.requests)):
         query_rows, spine_rows, positions, batch_rows, lengths, seq_lens = [], [], [], [], [], []
-        for request in plan.requests:
+        for request, request_offsets in zip(plan.requests, offsets):
             if k >= len(request.branches):
                 continue
-            branch, offset = request.branches[k], request.offsets()[k]
+            branch, offset = request.branches[k], request_offsets[k]
             n, after = len(branch.tokens), np.arange(len(branch.tokens))
             query_rows.append(request.start + offset + after)
             spine_rows.append(request.x_index + branch.node + 1 + after)

@@ -21,22 +21,18 @@ from vllm_fafo.attention.paged_kv import CPUPagedKV
 
 
 class CPUBranchKernel:
-    """vLLM 0.32.0's ``cpu_attn_reshape_and_cache`` and ``cpu_attention_with_kv_cache``,
-    called with the layer's own settings, as ``CPUAttentionBackendImpl.forward`` and
-    ``do_kv_cache_update`` call them."""
+    """vLLM 0.32.0's ``CPUAttentionBackendImpl.do_kv_cache_update``, and its
+    ``cpu_attention_with_kv_cache`` called with the layer's own settings, as
+    ``CPUAttentionBackendImpl.forward`` calls it."""
 
     def __init__(self, impl: CPUAttentionBackendImpl, layer: torch.nn.Module, kv_cache: torch.Tensor) -> None:
-        self.impl, self.layer = impl, layer
+        self.impl, self.layer, self.kv_cache = impl, layer, kv_cache
         num_blocks, num_kv_heads, self.block_size, _ = kv_cache.shape
         halves = kv_cache.view(num_blocks, num_kv_heads, 2 * self.block_size, -1)
         self.key_cache, self.value_cache = halves.chunk(2, dim=2)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        layer = self.layer
-        ops.cpu_attn_reshape_and_cache(
-            key, value, self.key_cache, self.value_cache, slots, layer.isa,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.impl.kv_cache_dtype,
-        )
+        CPUAttentionBackendImpl.do_kv_cache_update(self.impl, self.layer, key, value, self.kv_cache, slots)
 
     def attend(self, query: torch.Tensor, kernel_round: KernelRound) -> torch.Tensor:
         impl, layer = self.impl, self.layer

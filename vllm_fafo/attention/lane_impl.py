@@ -46,7 +46,7 @@ class LaneAttentionMixin(ABC):
         if spec is not None and self.attn_type == AttentionType.DECODER:
             self.allocate_region(spec, vllm_config.model_config.dtype, vllm_config.device_config.device)
         settings = fafo_settings(vllm_config) if vllm_config is not None else None
-        if settings is not None and settings.get("num_candidates", 1) > 1 and self.attn_type == AttentionType.DECODER:
+        if settings is not None and settings["num_candidates"] > 1 and self.attn_type == AttentionType.DECODER:
             self._refuse_branches_written_out()
 
     def _refuse_branches_written_out(self) -> None:
@@ -121,11 +121,7 @@ class LaneAttentionMixin(ABC):
             if kernel is None:
                 run_branches(branches, query, key, value, output, self.scale, reader)
             else:
-                table = attn_metadata.block_table
-                rounds = branches.kernel_rounds.get(table.data_ptr())
-                if rounds is None:
-                    rounds = branches.kernel_rounds[table.data_ptr()] = kernel_rounds(branches, table,
-                                                                                      kernel.block_size)
+                rounds = kernel_rounds(branches, attn_metadata.block_table, kernel.block_size)
                 run_branches_in_kernel(branches, rounds, query, key, value, output, kernel, reader)
         plan = plan_of(attn_metadata)
         if plan is None:

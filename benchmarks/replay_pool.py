@@ -39,8 +39,17 @@ tree whose branches grow as the engine grows them (``grow_branches``: the
 pool's other candidates at each spine node) and every branch runs (the
 regime where tokens are free; trees are replayed uncut only): where the
 spine stops at node j, the branch off j that the text follows furthest is
-accepted too. The target's runner-up tokens (``runner_up_tokens``) need its
-logits and are not replayed.
+accepted too.
+
+The target's runner-up tokens (``"runner_up_tokens"`` in a setting) need its
+logits: ``--logits`` runs the model (transformers, float32) once over each
+request's prompt and plain vLLM's output and keeps its top tokens at every
+position; the replay files, before each forward, the positions the engine's
+forwards have computed by then (the prefill's last prompt token, then every
+decoded token but the newest) under the token there, as ``take_logits`` files
+them. The engine also files the positions of rejected draft tokens (the
+first one's prediction follows the right text, the rest follow a wrong
+token); the replay does not, so it undercounts what the table holds.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ from vllm_fafo.proposer import (
     suffix_trees,
     tree_draft,
 )
+from vllm_fafo.runner_up import RunnerUpTable
 from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
 from vllm_fafo.tree import Branch, grow_branches
 
@@ -75,7 +85,8 @@ class _Running:
     """One request being replayed: its text (prompt + plain vLLM's output) and how far it got.
     (A plain class: the tests load this script by path, where dataclasses cannot find its module.)"""
 
-    def __init__(self, req_id: str, history: np.ndarray, prompt_len: int, output: list[int]) -> None:
+    def __init__(self, req_id: str, history: np.ndarray, prompt_len: int, output: list[int],
+                 top_tokens: np.ndarray | None = None) -> None:
         self.req_id = req_id
         self.history = history  # prompt and output; read only up to the tokens decoded so far
         self.prompt_len = prompt_len
@@ -83,13 +94,25 @@ class _Running:
         self.done = 1  # output tokens decoded: the prefill's forward gave the first
         self.pools: tuple = ()
         self.next_anchor = 0
+        self.top_tokens = top_tokens  # the target's top next tokens after each position of history
+        self.runner_ups: RunnerUpTable | None = None
+        self.filed = prompt_len - 1  # next position whose top tokens go into runner_ups
+
+    def file_runner_ups(self) -> None:
+        """File the positions the engine's forwards computed logits for by now: all
+        but the newest token's (the next forward computes it)."""
+        end = self.num_tokens - 1
+        if self.runner_ups is not None and end > self.filed:
+            self.runner_ups.update(self.history[self.filed : end], self.top_tokens[self.filed : end])
+            self.filed = end
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.done
 
 
-def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int) -> Iterator[tuple[str, Any]]:
+def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int,
+              top_tokens: Sequence[np.ndarray] | None = None) -> Iterator[tuple[str, Any]]:
     """Run the requests ``batch_size`` at a time, in order, as vLLM schedules a batch of
     them: a new one starts as soon as one finishes. Yields ("start", request) when a
     request's prefill ran, ("step", running requests) per decoding forward (the caller
@@ -99,7 +122,8 @@ def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int) -> I
     while waiting or running:
         while waiting and len(running) < batch_size:
             index, (prompt, output) = waiting.pop(0)
-            running.append(_Running(str(index), np.array([*prompt, *output], dtype=np.int32), len(prompt), output))
+            running.append(_Running(str(index), np.array([*prompt, *output], dtype=np.int32), len(prompt), output,
+                                    None if top_tokens is None else top_tokens[index]))
             yield "start", running[-1]
         decoding = [request for request in running if request.done < len(request.output)]
         if decoding:
@@ -117,7 +141,8 @@ def new_controller(config: FafoConfig) -> GoodputController:
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
            cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1,
-           controller: GoodputController | None = None, oracle: bool = False) -> dict[str, float]:
+           controller: GoodputController | None = None, oracle: bool = False,
+           top_tokens: Sequence[np.ndarray] | None = None, vocab_size: int = 0) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
     (:func:`scheduled`).
@@ -132,7 +157,11 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     ``oracle``: each step's draft is, among the draft the setting finds and every
     candidate of the request's pools under the text's suffixes (longest key first,
     :func:`~vllm_fafo.pool.alternatives_in`), the one the text follows furthest: the
-    tau a perfect ranking of the candidates at hand would reach (uncut, spine only)."""
+    tau a perfect ranking of the candidates at hand would reach (uncut, spine only).
+
+    ``top_tokens``: per request, the target's top next tokens at each position of
+    prompt + output (:func:`target_top_tokens`, at least ``runner_up_tokens`` wide),
+    over a vocabulary of ``vocab_size``; needed where ``runner_up_tokens`` > 0."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
@@ -146,13 +175,25 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     if grows_trees and cost_ms is not None:
         raise ValueError("replay: draft trees are replayed uncut (every branch runs); drop cost_ms or "
                          "set num_candidates to 1")
+    runner_ups = None
+    if config.runner_up_tokens:
+        if top_tokens is None or len(top_tokens) != len(requests) or vocab_size < 1:
+            raise ValueError("replay: runner_up_tokens > 0 needs the target's top tokens per request and the "
+                             "vocabulary size (--logits)")
+        if any(top.shape[1] < config.runner_up_tokens for top in top_tokens):
+            raise ValueError(f"replay: top tokens narrower than runner_up_tokens={config.runner_up_tokens}")
+        top_tokens = [np.ascontiguousarray(top[:, : config.runner_up_tokens]) for top in top_tokens]
+        # one table per tenant (every replayed request is unsalted), or per request without sharing
+        runner_ups = RunnerUpTable(vocab_size, config.runner_up_tokens) if config.share_pool else None
     judge = DraftJudge(k)
     forwards = tokens = drafted = branch_tokens = accepted_off_spine = 0
     seconds = 0.0
-    for event, payload in scheduled(requests, batch_size):
+    for event, payload in scheduled(requests, batch_size, top_tokens if config.runner_up_tokens else None):
         if event == "start":
             request = payload
             request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
+            if config.runner_up_tokens:
+                request.runner_ups = runner_ups or RunnerUpTable(vocab_size, config.runner_up_tokens)
             request.next_anchor = first_anchor(config, request.prompt_len)
             if trees is not None:
                 trees.start(request.req_id, None, request.history[: request.prompt_len])
@@ -169,6 +210,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         for request in running:
             request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
                                                   request.num_tokens, request.prompt_len)
+            request.file_runner_ups()
             draft, key_len = [], 0
             if trees is not None:
                 draft, _, key_len = tree_draft(trees, request.pools, None, request.req_id, request.history,
@@ -176,6 +218,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             if not draft:
                 context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
                 draft, _, key_len = chain_draft(request.pools, None, context, k)
+                if not draft and request.runner_ups is not None:
+                    draft = request.runner_ups.chain(context[-1], k)  # as the proposer's _draft, context 0
             if oracle:
                 context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
@@ -192,7 +236,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         for request, draft in zip(running, drafts):
             branches = () if not grows_trees else grow_branches(
                 request.pools, request.history[request.num_tokens - max_key_len : request.num_tokens].tolist(),
-                draft, config.num_candidates - 1, config.tree_tokens - len(draft))
+                draft, config.num_candidates - 1, config.tree_tokens - len(draft), request.runner_ups)
             branch_tokens += sum(len(branch.tokens) for branch in branches)
             on_spine, off_spine = advance_tree(request, draft, branches)
             accepted.append(on_spine)
@@ -327,6 +371,31 @@ def load_requests(cells: Path, dataset: str) -> list[tuple[list[int], list[int]]
     return list(zip(prompts, cell["token_ids"]))
 
 
+def target_top_tokens(requests: list[tuple[list[int], list[int]]], width: int,
+                      model_dir: Path | None = None) -> tuple[list[np.ndarray], int, float]:
+    """The target's top ``width`` next tokens at every position of each request's
+    prompt + output (row p: after token p), from one float32 transformers forward
+    per request; the vocabulary size; and the share of output positions whose top
+    token is the output's next one (plain vLLM's greedy choice: 1.0 up to
+    rounding differences between the two implementations)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_fafo.assets import smollm2_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir or smollm2_dir(), dtype=torch.float32)
+    model.eval()
+    tops, agree, total = [], 0, 0
+    with torch.inference_mode():
+        for prompt, output in requests:
+            ids = torch.tensor([[*prompt, *output]])
+            top = torch.topk(model(ids).logits[0], width, dim=-1).indices.to(torch.int32).numpy()
+            tops.append(top)
+            agree += int((top[len(prompt) - 1 : len(prompt) - 1 + len(output), 0] == np.asarray(output)).sum())
+            total += len(output)
+    return tops, int(model.config.vocab_size), agree / max(total, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", required=True, help="a matrix.py --out folder with a batch-1 none cell")
@@ -343,6 +412,9 @@ def main() -> None:
                         help="also replay each setting with the best candidate at hand as the draft "
                              "(the text's own continuation picked among the pools' candidates): what a "
                              "perfect ranking would reach")
+    parser.add_argument("--logits", action="store_true",
+                        help="run the model over each request's text for its top tokens (needed by settings "
+                             "with runner_up_tokens > 0)")
     parser.add_argument("--cost-ms", default=None, type=cost_ms_argument,
                         help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
     args = parser.parse_args()
@@ -364,6 +436,14 @@ def main() -> None:
         parser.error("--cost-ms: draft trees (num_candidates > 1) are replayed uncut only")
     if args.oracle and (trees or cost_ms is not None):
         parser.error("--oracle: ranks single drafts, uncut; drop --cost-ms and num_candidates > 1")
+    width = max((config.runner_up_tokens for _, config in settings), default=0)
+    if width and not args.logits:
+        parser.error("runner_up_tokens > 0 in a setting: add --logits (the target's top tokens are replayed)")
+    top_tokens, vocab_size = None, 0
+    if width:
+        top_tokens, vocab_size, agreement = target_top_tokens(requests, width)
+        print(f"target's top tokens: {width} per position; top token = plain vLLM's next one at "
+              f"{100 * agreement:.2f}% of output positions")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {','.join(f'{v:g}' for v in cost_ms)} ms"
     print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
           + (" simulated tokens/s |" if cost_ms else "")
@@ -381,10 +461,12 @@ def main() -> None:
     for label, config in settings:
         controller = None if cost_ms is None else new_controller(config)
         for batch_size in batch_sizes:
-            row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller))
+            row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller,
+                                          top_tokens=top_tokens, vocab_size=vocab_size))
             if args.oracle:
                 row(f"{label}, best candidate at hand", batch_size, replay(config, requests, batch_size=batch_size,
-                                                                           oracle=True))
+                                                                           oracle=True, top_tokens=top_tokens,
+                                                                           vocab_size=vocab_size))
 
 
 if __name__ == "__main__":

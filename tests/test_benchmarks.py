@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.engine
@@ -210,6 +211,31 @@ def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_f
     assert module.replay(config(), [request], oracle=True) == {"tau": 9.0, "draft_tokens_per_forward": 16 / 2}
     with pytest.raises(ValueError, match="oracle"):
         module.replay(config(num_candidates=2), [request], oracle=True)
+
+
+def test_pool_replay_files_the_target_s_top_tokens_and_a_runner_up_branch_is_accepted():
+    from vllm_fafo.config import FafoConfig
+
+    module = benchmark_script("replay_pool")
+
+    def config(**keys):
+        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False,
+                                          "num_candidates": 2, **keys})
+
+    # After 5 the text went on with 6; the target's runner-up there was 11, which the
+    # text takes after its next 5, where the pool's candidates all start with 6.
+    prompt, output = [1, 2, 3], [5, 6, 7, 5, 11, 20]
+    history = [*prompt, *output]
+    top = np.array([[history[p + 1] if p + 1 < len(history) else 0, 99] for p in range(len(history))], dtype=np.int32)
+    top[3, 1] = 11  # position 3 holds the first 5
+    request = (prompt, output)
+    assert module.replay(config(), [request])["accepted_off_spine"] == 0
+    with_runner_ups = module.replay(config(runner_up_tokens=2), [request], top_tokens=[top], vocab_size=128)
+    assert with_runner_ups["accepted_off_spine"] == 1
+    with pytest.raises(ValueError, match="top tokens"):
+        module.replay(config(runner_up_tokens=2), [request])
+    with pytest.raises(ValueError, match="narrower"):
+        module.replay(config(runner_up_tokens=4), [request], top_tokens=[top], vocab_size=128)
 
 
 def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():

@@ -12,10 +12,13 @@ same proposer, pool, lanes, metrics and runner patches:
   seeded from the prompt and updated from accepted tokens with a sliding
   window, plus an optional frozen table built offline.
 
-vLLM verifies one draft chain per request, so where the papers verify several
-(Lookahead's G guesses, Cacheback's draft tree) the mode drafts one: the most
-recently inserted candidate under the key, extended by further lookups
-while the chain has room (Cacheback's tree grown along one branch).
+Where the papers verify several candidates (Lookahead's G guesses,
+Cacheback's draft tree), the mode drafts a chain for vLLM's own verification
+(the most recently inserted candidate under the key, extended by further
+lookups while the chain has room) and, with ``num_candidates`` > 1, verifies
+up to ``num_candidates - 1`` of the key's other candidates in the same
+forward as branches of a draft tree (:mod:`vllm_fafo.tree`); with the
+default 1, the chain alone.
 """
 
 from __future__ import annotations

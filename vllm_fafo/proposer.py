@@ -282,7 +282,8 @@ class FafoStep:
 
 
 class FafoProposer:
-    """Proposes one draft chain per request per step (FAFO Alg. 3).
+    """Proposes one draft chain per request per step (FAFO Alg. 3), the spine of a
+    draft tree where ``num_candidates`` > 1.
 
     Serves ``fafo``, ``lookahead`` and ``cacheback`` (see vllm_fafo.modes):
     they differ only in the configuration of the pool and the lanes.

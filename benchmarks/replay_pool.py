@@ -193,7 +193,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             request = payload
             request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
             if config.runner_up_tokens:
-                request.runner_ups = runner_ups or RunnerUpTable(vocab_size, config.runner_up_tokens)
+                request.runner_ups = (runner_ups if runner_ups is not None
+                                      else RunnerUpTable(vocab_size, config.runner_up_tokens))
             request.next_anchor = first_anchor(config, request.prompt_len)
             if trees is not None:
                 trees.start(request.req_id, None, request.history[: request.prompt_len])

@@ -69,7 +69,7 @@ def time_step(shape: str, context: int, branches: list[Branch], block_size: int,
     kernel = CPUBranchKernel(
         SimpleNamespace(num_heads=query_heads, num_kv_heads=kv_heads, head_size=dim, scale=scale, alibi_slopes=None,
                         sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto",
-                                    attn_type="decoder"),
+                        attn_type="decoder"),
         SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0), cache)
 
     def written_out(attention) -> torch.Tensor:

@@ -8,7 +8,8 @@ spine's written back; one call per layer for the k-th branch of every
 request). This times that per step on synthetic caches shaped like a
 model's layers, next to the plugin's written-out attention (the request's
 blocks gathered whole, softmax over exactly the keys each branch token sees:
-``request_branch_attention``, the path of wrappers without a kernel) and
+``request_branch_attention``, the dense reference the kernels are tested
+against; the CUDA wrapper's branches ran it until FlashAttention's kernel) and
 the same attention through ``torch.nn.functional.scaled_dot_product_attention``
 with a boolean mask (what the plugin used first), and checks all three agree.
 

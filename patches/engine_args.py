@@ -147,28 +147,28 @@ def _select_lane_backend(args: EngineArgs, config: FafoConfig) -> None:
 
 
 def refuse_inexact_branches(vllm_config) -> None:
-    """Draft-tree branches need float32: only there are their logits plain vLLM's.
+    """On CPU, draft-tree branches need float32: only there are their logits plain vLLM's.
 
-    On CPU a branch token's attention runs through vLLM's own kernel
-    (:mod:`vllm_fafo.attention.branch_attention`), but in another arrangement
-    than a verification of the same tokens as the spine, and with vLLM's
-    default split over the keys the kernel's rows change with the arrangement
-    (README, "bfloat16 on CPU"); on CUDA it is the plugin's own attention over
-    the paged cache. In float32 either differs from the spine's by float32
-    rounding (identity tested on CPU); in bfloat16 the difference flipped a
-    greedy token on an H100 (2026-11-23), so the tree would not be lossless.
+    A branch token's attention runs through the base backend's own kernel
+    (:mod:`vllm_fafo.attention.branch_attention`), in another arrangement than a
+    verification of the same tokens as the spine. vLLM's CPU kernel, with its
+    default split over the keys, changes a row's rounding with the arrangement
+    (README, "bfloat16 on CPU"), so in bfloat16 a branch could accept a token plain
+    vLLM would not pick. FlashAttention on CUDA computes a row independently of the
+    rows beside it at a given split count (the spine's; 1 under
+    ``VLLM_BATCH_INVARIANT=1``), so there trees run in the model's dtype.
     Checked on the resolved config, where ``dtype="auto"`` is known.
     """
     settings = fafo_settings(vllm_config)
-    if settings is None or settings["num_candidates"] == 1:
+    if settings is None or settings["num_candidates"] == 1 or not current_platform.is_cpu():
         return
     dtype = vllm_config.model_config.dtype
     if dtype != torch.float32:
         raise FafoConfigError(
             f"speculative_config num_candidates={settings['num_candidates']} verifies draft-tree "
-            f"branches with attention that matches a verification of the same tokens only to float32 "
-            f"rounding; the model runs in {dtype}, where a branch could accept a token plain vLLM "
-            "would not pick. Set num_candidates to 1, or dtype to float32"
+            f"branches on CPU with attention that matches a verification of the same tokens only to "
+            f"float32 rounding; the model runs in {dtype}, where a branch could accept a token plain "
+            "vLLM would not pick. Set num_candidates to 1, or dtype to float32"
         )
 
 

@@ -70,14 +70,31 @@ def test_lane_settings_accepted():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_draft_trees_refused_below_float32_with_key_value_and_fix(model_dir, dtype):
-    """Branch attention matches a verification of the same tokens only to float32 rounding."""
+def test_draft_trees_refused_below_float32_on_cpu_with_key_value_and_fix(model_dir, dtype):
+    """On CPU, branch attention matches a verification of the same tokens only to float32 rounding."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=model_dir, dtype=dtype,
                       speculative_config={"method": "fafo", "num_lanes": 0, "num_candidates": 4})
     with pytest.raises(FafoConfigError, match=r"num_candidates=4 .*float32.*Set num_candidates to 1"):
         args.create_engine_config()
+
+
+def test_draft_trees_run_in_the_model_s_dtype_on_cuda(monkeypatch):
+    """FlashAttention computes a branch row as the spine's verification computes it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_fafo.patches import engine_args
+
+    settings = dataclasses.asdict(FafoConfig(num_lanes=0, num_candidates=4))
+    config = SimpleNamespace(additional_config={"fafo": settings}, model_config=SimpleNamespace(dtype=torch.bfloat16))
+    with pytest.raises(FafoConfigError, match="num_candidates=4 verifies draft-tree branches on CPU"):
+        engine_args.refuse_inexact_branches(config)
+    monkeypatch.setattr(engine_args, "current_platform", SimpleNamespace(is_cpu=lambda: False))
+    engine_args.refuse_inexact_branches(config)
 
 
 def test_draft_trees_accepted_in_float32_and_spine_only_in_any_dtype(model_dir):

@@ -271,29 +271,28 @@ def test_draft_trees_select_the_wrapping_backend_and_eager_but_keep_prefix_cachi
         engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=dict(spec)))
 
 
-@pytest.mark.parametrize("kwargs, feature", [
-    ({"sliding_window": 128}, "a sliding window"),
-    ({"logits_soft_cap": 30.0}, "logit soft-capping"),
-    ({"alibi_slopes": [0.5] * HQ}, "ALiBi"),
+@pytest.mark.parametrize("attribute, value, refused", [
+    ("dcp_world_size", 2, "decode context parallelism"),
+    ("fa4_hd256", True, "FA4's head-size-256 kernel"),
+    ("kv_cache_dtype", "fp8", "kv_cache_dtype 'fp8'"),
 ])
-def test_draft_trees_refused_where_written_out_branches_would_miss_the_layer_s_attention(
-        monkeypatch, kwargs, feature):
-    """The FlashAttention wrapper writes branch attention out as plain softmax; a layer that
-    attends otherwise would verify branches against other logits than plain vLLM's."""
+def test_draft_trees_refused_where_the_flash_branch_kernel_does_not_mirror_the_layer(
+        monkeypatch, attribute, value, refused):
+    """Sliding windows, soft-capping and ALiBi are FlashAttention's own settings, which the
+    branch kernel passes on (tests/test_flash_branch_kernel.py); what it does not mirror is
+    refused when the layer is built."""
     import dataclasses
 
     from vllm_fafo.attention import lane_impl
-    from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
     from vllm_fafo.config import FafoConfig
 
     settings = dataclasses.asdict(FafoConfig(num_lanes=0, num_candidates=4))
     monkeypatch.setattr(lane_impl, "get_current_vllm_config_or_none",
                         lambda: SimpleNamespace(additional_config={"fafo": settings}))
-    args = {"alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **kwargs}
-    with pytest.raises(FafoConfigError, match=f"num_candidates > 1: this model's attention uses {feature}"):
-        FafoFlashAttentionImpl(HQ, D, SCALE, HK, **args)
-    FafoFlashAttentionImpl(HQ, D, SCALE, HK, None, None, "auto")  # plain softmax attention: trees run
-    settings["num_candidates"] = 1
-    FafoFlashAttentionImpl(HQ, D, SCALE, HK, **args)  # spine only: nothing written out
-    # the CPU wrapper runs branches through vLLM's kernel, with the layer's own settings
-    assert FafoCPUAttentionBackendImpl.branch_kernel is not LaneAttentionMixin.branch_kernel
+    for kwargs in ({"sliding_window": 128}, {"logits_soft_cap": 30.0}, {"alibi_slopes": [0.5] * HQ}):
+        FafoFlashAttentionImpl(HQ, D, SCALE, HK, **{"alibi_slopes": None, "sliding_window": None,
+                                                    "kv_cache_dtype": "auto", **kwargs})
+    impl = FafoFlashAttentionImpl(HQ, D, SCALE, HK, None, None, "auto")
+    setattr(impl, attribute, value)
+    with pytest.raises(FafoConfigError, match=f"num_candidates > 1: .* do not support {refused}"):
+        impl.refuse_branches_here()

@@ -1,4 +1,4 @@
-"""FAFO lanes on CUDA (FlashAttention + lanes as the CUSTOM backend): GPU only.
+"""FAFO lanes and draft trees on CUDA (FlashAttention wrapped as the CUSTOM backend): GPU only.
 
 Skipped without a CUDA device, so CI (CPU) never runs it; on a GPU machine:
 ``python -m pytest tests/test_gpu_engine.py``. FlashAttention has no fp32, so both
@@ -58,9 +58,9 @@ LANE_SPECS = {
               "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
     "default": {"method": "fafo"},  # pool only: on CUDA lanes are off unless num_lanes is set
+    # draft trees: branches through FlashAttention's own kernel (vllm_fafo/attention/cuda.py)
+    "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "runner_up_tokens": 4, "controller": "fixed"},
 }
-# Draft trees are refused in bfloat16 (tests/test_config.py): their branch attention
-# is not the kernel's, and on an H100 a bf16 tree diverged from plain vLLM at a near tie.
 
 # What each configuration must show accepted during the batch-1 run, beyond identity.
 def _lane_tokens(metrics: dict) -> int:
@@ -71,8 +71,12 @@ def _all_tokens(metrics: dict) -> int:
     return sum(metrics["accepted_tokens"].values())
 
 
+def _branch_tokens(metrics: dict) -> int:
+    return metrics["branch_accepted_tokens"]
+
+
 ACCEPTED_BY = {"streaming": _lane_tokens, "quest": _lane_tokens, "lookahead": _lane_tokens,
-               "default": _all_tokens}
+               "default": _all_tokens, "tree": _branch_tokens}
 
 
 @pytest.fixture(scope="module", params=list(LANE_SPECS))

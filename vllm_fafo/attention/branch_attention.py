@@ -2,26 +2,26 @@
 
 A branch token at spine node ``j`` sees paged positions ``0..x+j`` (vLLM wrote
 this step's spine tokens before the layer's attention ran) and the earlier
-tokens of its own branch, nothing else. Two ways to compute it:
+tokens of its own branch, nothing else. It runs through the base backend's
+own kernel (:func:`run_branches_in_kernel`, with the wrapper's
+:class:`BranchKernel`: vLLM's CPU attention, FlashAttention on CUDA), so a
+branch row is computed as a verification of the same tokens as the spine
+computes it. A branch off node ``j`` with ``n`` tokens occupies positions
+``x+j+1 .. x+j+n``, which hold the spine's drafts (a branch is never deeper
+than its spine): its keys and values are written over those slots, the kernel
+attends its queries causally over the request's pages exactly as it attends a
+spine verification of the same tokens, and the spine's keys and values, which
+this step's ``key``/``value`` still hold, are written back. One kernel call
+per layer for the k-th branch of every request (a request's branches overlap
+each other's slots or context).
 
-- **Through the base backend's own kernel** (:func:`run_branches_in_kernel`,
-  where the wrapper has a :class:`BranchKernel`: vLLM's CPU attention). A
-  branch off node ``j`` with ``n`` tokens occupies positions ``x+j+1 ..
-  x+j+n``, which hold the spine's drafts (a branch is never deeper than its
-  spine): its keys and values are written over those slots, the kernel
-  attends its queries causally over the request's pages exactly as it
-  attends a spine verification of the same tokens, and the spine's keys and
-  values, which this step's ``key``/``value`` still hold, are written back.
-  One kernel call per layer for the k-th branch of every request (a
-  request's branches overlap each other's slots or context).
-- **Written out** (:func:`run_branches`, the other wrappers and the dense
-  reference): softmax over exactly those keys, with the bias built once per
-  step (:func:`vllm_fafo.tree.layout_request`), one call per request and
-  layer, over the request's pages gathered whole.
+:func:`request_branch_attention` writes the same attention out (softmax over
+exactly those keys, with the bias :func:`vllm_fafo.tree.layout_request`
+builds): the dense reference the kernel path is tested and timed against.
 
-Either way the layer's branch keys and values are kept on the plan, so an
-accepted branch's KV can be copied into the paged cache once sampling is
-done (:mod:`vllm_fafo.tree`).
+The layer's branch keys and values are kept on the plan, so an accepted
+branch's KV can be copied into the paged cache once sampling is done
+(:mod:`vllm_fafo.tree`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class KernelRound:
     slots: torch.Tensor  # (n,) int64: the paged-cache slots of those positions
     query_start_loc: torch.Tensor  # (requests + 1,) int32
     seq_lens: torch.Tensor  # (requests,) int32: positions each request's last branch token sees
+    max_query_len: int  # the longest branch of the round
+    max_seq_len: int  # the largest of seq_lens
     block_table: torch.Tensor  # (requests, blocks) int32: the requests' rows of vLLM's block table
     backend_state: dict[Any, Any] = field(default_factory=dict)
     """What the kernel derives once per step and layer shape (the CPU kernel's work split)."""
@@ -107,6 +109,8 @@ def kernel_rounds(plan: BranchPlan, block_table: torch.Tensor, block_size: int) 
             slots=slots,
             query_start_loc=torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            max_query_len=int(max(lengths)),
+            max_seq_len=int(max(seq_lens)),
             block_table=block_table.index_select(0, first_rows),
         ))
     return rounds
@@ -163,26 +167,6 @@ def request_branch_attention(
     out = (torch.matmul(paged_probs.permute(2, 0, 1, 3), value_tiles.float()).sum(dim=0)
            + torch.bmm(probs[..., paged:], value.float().transpose(0, 1)))
     return out.view(kv_heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, query_heads, dim)
-
-
-def run_branches(
-    plan: BranchPlan,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    output: torch.Tensor,
-    scale: float,
-    reader: PagedKVReader,
-) -> None:
-    """Write every branch token's attention output; stash this layer's branch KV."""
-    for request in plan.requests:
-        rows = request.tokens
-        key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
-        output[rows] = request_branch_attention(
-            query[rows], key[rows], value[rows], key_tiles.to(key.dtype), value_tiles.to(value.dtype),
-            request, scale,
-        ).to(output.dtype)
-    _stash(plan, key, value, reader)
 
 
 def _stash(plan: BranchPlan, key: torch.Tensor, value: torch.Tensor, reader: PagedKVReader) -> None:

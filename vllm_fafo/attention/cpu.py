@@ -62,8 +62,11 @@ class FafoCPUAttentionBackendImpl(LaneAttentionMixin, CPUAttentionBackendImpl):
     def paged_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> CPUPagedKV:
         return CPUPagedKV(kv_cache, attn_metadata.block_table, layer.isa)
 
-    def branch_kernel(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> CPUBranchKernel:
+    def branch_kernel(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> CPUBranchKernel:
         return CPUBranchKernel(self, layer, kv_cache)
+
+    def refuse_branches_here(self) -> None:
+        """Nothing to refuse: the kernel is called with every setting the layer has."""
 
 
 class FafoCPUAttentionBackend(CPUAttentionBackend):

@@ -6,8 +6,8 @@ real tokens (the tail is padding to it: beyond ``num_actual_tokens``, slot
 mapping -1), then this maintains the layer's compressed region and writes
 the lane tokens' outputs, and runs the draft tree's branches
 (:mod:`vllm_fafo.attention.branch_attention`). A wrapper only says how to
-read its base's paged KV cache and, where it can, how to call its base's
-kernel for the branches. Without a step plan on the forward's attention
+read its base's paged KV cache, how to call its base's kernel for the
+branches, and which of its layers' settings that call does not cover. Without a step plan on the forward's attention
 metadata (no lanes configured, warm-up, profiling) the wrapper is exactly
 the base backend.
 
@@ -25,12 +25,11 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionType
 
-from vllm_fafo.attention.branch_attention import BranchKernel, kernel_rounds, run_branches, run_branches_in_kernel
+from vllm_fafo.attention.branch_attention import BranchKernel, kernel_rounds, run_branches_in_kernel
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.attention.region import CompressedRegion
 from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.config import RegionSpec, fafo_settings
-from vllm_fafo.errors import FafoConfigError
 from vllm_fafo.step_plan import StepPlan, branches_of, plan_of
 
 
@@ -47,27 +46,13 @@ class LaneAttentionMixin(ABC):
             self.allocate_region(spec, vllm_config.model_config.dtype, vllm_config.device_config.device)
         settings = fafo_settings(vllm_config) if vllm_config is not None else None
         if settings is not None and settings["num_candidates"] > 1 and self.attn_type == AttentionType.DECODER:
-            self._refuse_branches_written_out()
+            self.refuse_branches_here()
 
-    def _refuse_branches_written_out(self) -> None:
-        """Branches written out compute plain softmax attention: refuse layers that
-        attend otherwise (the base kernel, where the wrapper has one, computes them)."""
-        if type(self).branch_kernel is not LaneAttentionMixin.branch_kernel:
-            return
-        window = getattr(self, "sliding_window", None)
-        features = {
-            "a sliding window": window not in (None, -1, (-1, -1)),
-            "logit soft-capping": bool(getattr(self, "logits_soft_cap", None)),
-            "ALiBi": getattr(self, "alibi_slopes", None) is not None,
-            "attention sinks": getattr(self, "sinks", None) is not None,
-        }
-        used = [name for name, present in features.items() if present]
-        if used:
-            raise FafoConfigError(
-                f"speculative_config num_candidates > 1: this model's attention uses {', '.join(used)}, "
-                f"which draft-tree branches on this attention backend ({type(self).__name__}) "
-                "do not compute; set num_candidates to 1"
-            )
+    @abstractmethod
+    def refuse_branches_here(self) -> None:
+        """Raise :class:`~vllm_fafo.errors.FafoConfigError` for a layer whose settings this
+        wrapper's branch kernel does not reproduce; called when the layer is built with
+        draft trees on."""
 
     def allocate_region(self, spec: RegionSpec, dtype: torch.dtype, device: torch.device) -> None:
         """This layer's region, staging and policy state, for the whole engine life."""
@@ -86,10 +71,9 @@ class LaneAttentionMixin(ABC):
     def paged_kv(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> PagedKVReader:
         """A reader of this layer's paged cache in the base backend's layout."""
 
-    def branch_kernel(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> BranchKernel | None:
-        """The base backend's own kernel for draft-tree branches; None: branches are
-        written out (:func:`~vllm_fafo.attention.branch_attention.run_branches`)."""
-        return None
+    @abstractmethod
+    def branch_kernel(self, layer: torch.nn.Module, kv_cache: torch.Tensor, attn_metadata) -> BranchKernel:
+        """The base backend's own kernel, for this step's draft-tree branches in this layer."""
 
     def forward(
         self,
@@ -117,12 +101,9 @@ class LaneAttentionMixin(ABC):
                 x = slice(first.x_index, first.x_index + 1)
                 reader.check(first.batch_row, torch.tensor([first.x_position], device=key.device), key[x], value[x])
                 self._layout_checked = True
-            kernel = self.branch_kernel(layer, kv_cache)
-            if kernel is None:
-                run_branches(branches, query, key, value, output, self.scale, reader)
-            else:
-                rounds = kernel_rounds(branches, attn_metadata.block_table, kernel.block_size)
-                run_branches_in_kernel(branches, rounds, query, key, value, output, kernel, reader)
+            kernel = self.branch_kernel(layer, kv_cache, attn_metadata)
+            rounds = kernel_rounds(branches, attn_metadata.block_table, kernel.block_size)
+            run_branches_in_kernel(branches, rounds, query, key, value, output, kernel, reader)
         plan = plan_of(attn_metadata)
         if plan is None:
             return output

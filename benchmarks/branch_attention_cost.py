@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from vllm_fafo.attention.branch_attention import kernel_rounds, request_branch_attention, run_branches_in_kernel
 from vllm_fafo.attention.cpu import CPUBranchKernel
 from vllm_fafo.attention.paged_kv import CPUPagedKV
-from vllm_fafo.tree import Branch, BranchPlan, branch_positions, layout_request
+from vllm_fafo.tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
 
 SHAPES = {  # query heads, KV heads, head size, layers
     "SmolLM2-135M": (9, 3, 64, 30),
@@ -37,13 +37,13 @@ SHAPES = {  # query heads, KV heads, head size, layers
 }
 
 
-def _sdpa(query, key, value, key_tiles, value_tiles, request, scale):
+def _sdpa(query, key, value, key_tiles, value_tiles, request, scale, bias):
     num_blocks, heads, dim, block_size = key_tiles.shape
     paged_key = key_tiles.permute(1, 0, 3, 2).reshape(heads, num_blocks * block_size, dim)
     paged_value = value_tiles.transpose(0, 1).reshape(heads, num_blocks * block_size, dim)
     keys = torch.cat([paged_key[:, : request.num_paged], key.transpose(0, 1)], dim=1)
     values = torch.cat([paged_value[:, : request.num_paged], value.transpose(0, 1)], dim=1)
-    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=request.bias == 0,
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=bias == 0,
                                          scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
@@ -59,7 +59,8 @@ def time_step(shape: str, context: int, branches: list[Branch], block_size: int,
     cache = torch.randn(num_blocks + 2, kv_heads, block_size, 2 * dim, generator=gen)
     block_table = (torch.randperm(num_blocks + 2, generator=gen)[:num_blocks]).to(torch.int32)[None]
     reader = CPUPagedKV(cache, block_table, "vec")
-    request = layout_request("r", 0, 0, x_position, spine + 1, branches, torch.device("cpu"))
+    request = layout_request("r", 0, 0, x_position, spine + 1, branches)
+    bias = torch.from_numpy(attention_bias(request))  # built once per step, read by every layer
     tokens = spine + 1 + request.num_tokens
     query = torch.randn(tokens, query_heads, dim, generator=gen)
     key, value = torch.randn(tokens, kv_heads, dim, generator=gen), torch.randn(tokens, kv_heads, dim, generator=gen)
@@ -76,7 +77,7 @@ def time_step(shape: str, context: int, branches: list[Branch], block_size: int,
     def written_out(attention) -> torch.Tensor:
         for _ in range(layers):
             key_tiles, value_tiles = reader.read_tiles(0, request.num_paged)
-            out = attention(query[rows], key[rows], value[rows], key_tiles, value_tiles, request, scale)
+            out = attention(query[rows], key[rows], value[rows], key_tiles, value_tiles, request, scale, bias)
         return out
 
     def through_kernel() -> torch.Tensor:

@@ -18,7 +18,7 @@ from vllm_fafo.attention.branch_attention import (
 )
 from vllm_fafo.attention.cpu import CPUBranchKernel
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, CPUPagedKV
-from vllm_fafo.tree import Branch, BranchPlan, branch_positions, layout_request
+from vllm_fafo.tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
 
 HQ, HK, D, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 128, 24
 """SmolLM2-135M's attention, vLLM's CPU block size."""
@@ -61,7 +61,7 @@ class Batch:
             self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
             rows = slice(x_index, x_index + 1 + spine)
             self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
-            request = layout_request(f"r{row}", row, x_index, x_position, start, branches, torch.device("cpu"))
+            request = layout_request(f"r{row}", row, x_index, x_position, start, branches)
             requests.append(request)
             x_index += 1 + spine
             start += request.num_tokens
@@ -122,7 +122,8 @@ def test_kernel_path_matches_the_dense_reference_and_leaves_the_cache_as_vllm_wr
         rows = request.tokens
         key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
         want = request_branch_attention(batch.query[rows], batch.key[rows], batch.value[rows], key_tiles,
-                                        value_tiles, request, D**-0.5)
+                                        value_tiles, request, D**-0.5,
+                                        torch.from_numpy(attention_bias(request)))
         torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
     assert len(batch.plan.kv_stash) == 1  # this layer's branch KV, for an accepted branch's write-back
     assert batch.plan.kv_stash[0][1].shape[0] == batch.plan.num_tokens

@@ -24,7 +24,7 @@ from tests.test_branch_kernel import REQUESTS
 from vllm_fafo.attention.branch_attention import kernel_rounds, request_branch_attention, run_branches_in_kernel
 from vllm_fafo.attention.cuda import FafoFlashAttentionImpl, FlashBranchKernel
 from vllm_fafo.attention.paged_kv import LogicalPagedKV
-from vllm_fafo.tree import BranchPlan, branch_positions, layout_request
+from vllm_fafo.tree import BranchPlan, attention_bias, branch_positions, layout_request
 
 HQ, HK, D, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 16, 150
 """SmolLM2-135M's attention, FlashAttention's default block size."""
@@ -97,7 +97,7 @@ class FlashBatch:
             self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
             rows = slice(x_index, x_index + 1 + spine)
             self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
-            request = layout_request(f"r{row}", row, x_index, x_position, start, branches, self.device)
+            request = layout_request(f"r{row}", row, x_index, x_position, start, branches)
             requests.append(request)
             x_index += 1 + spine
             start += request.num_tokens
@@ -162,7 +162,8 @@ def test_flash_branch_kernel_matches_the_dense_reference_and_leaves_the_cache_as
         rows = request.tokens
         key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
         want = request_branch_attention(batch.query[rows], batch.key[rows], batch.value[rows], key_tiles,
-                                        value_tiles, request, D**-0.5)
+                                        value_tiles, request, D**-0.5,
+                                        torch.from_numpy(attention_bias(request)))
         torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
 
 

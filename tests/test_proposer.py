@@ -202,7 +202,7 @@ def test_branch_hidden_states_come_from_the_planned_forward_only():
     from vllm_fafo.tree import Branch, BranchPlan, layout_request
 
     proposer = make_proposer()
-    request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))], torch.device("cpu"))
+    request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))])
     proposer.step = FafoStep(num_scheduled_tokens=3, scheduled_spec_tokens={"a": [5, 6]}, started=0.0,
                              branches=BranchPlan(np.array([7, 8]), np.array([5, 6]), (request,)))
     hidden = torch.arange(5.0)[:, None].expand(5, 4)

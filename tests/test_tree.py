@@ -14,6 +14,7 @@ from vllm_fafo.tree import (
     PLACEHOLDER,
     Branch,
     accept_greedy,
+    attention_bias,
     branch_positions,
     greedy_matches,
     grow_branches,
@@ -69,13 +70,14 @@ def test_branch_attention_matches_dense_reference(x_position):
     spine_len = 3
     context = x_position + 1 + spine_len  # paged positions written this step: x and the spine
     branches = [Branch(0, (1, 2, 3)), Branch(1, (4, 5)), Branch(2, (6,))]
-    request = layout_request("r", 0, 0, x_position, 0, branches, torch.device("cpu"))
+    request = layout_request("r", 0, 0, x_position, 0, branches)
     t = request.num_tokens
     q = torch.randn(t, hq, d, generator=gen)
     k, v = torch.randn(t, hk, d, generator=gen), torch.randn(t, hk, d, generator=gen)
     paged_k, paged_v = torch.randn(context, hk, d, generator=gen), torch.randn(context, hk, d, generator=gen)
     scale = d ** -0.5
-    got = request_branch_attention(q, k, v, *_as_tiles(paged_k, paged_v, block_size=4, gen=gen), request, scale)
+    got = request_branch_attention(q, k, v, *_as_tiles(paged_k, paged_v, block_size=4, gen=gen), request, scale,
+                                   torch.from_numpy(attention_bias(request)))
     all_k, all_v = torch.cat([paged_k, k]), torch.cat([paged_v, v])
     visible, token = [], 0
     positions = branch_positions(request)
@@ -113,7 +115,7 @@ def test_greedy_acceptance_is_the_longest_accepted_root_to_leaf_path():
         for node in range(4):
             for _ in range(rng.randrange(3)):
                 branches.append(Branch(node, tuple(rng.randrange(3) for _ in range(rng.randint(1, 4 - node)))))
-        request = layout_request("r", 0, 0, 10, 0, branches, torch.device("cpu"))
+        request = layout_request("r", 0, 0, 10, 0, branches)
         spine_row = _greedy_path(text, spine)
         row = np.full(5, PLACEHOLDER)
         row[: len(spine_row)] = spine_row
@@ -156,7 +158,7 @@ def test_sampled_acceptance_keeps_the_target_distribution():
     torch.manual_seed(0)
     text, spine = (1, 2), [0, 1, 2]
     branches = [Branch(0, (1, 0, 3)), Branch(0, (2, 2)), Branch(0, (3,)), Branch(1, (0, 0)), Branch(1, (3, 1))]
-    request = layout_request("r", 0, 0, 10, 0, branches, torch.device("cpu"))
+    request = layout_request("r", 0, 0, 10, 0, branches)
     probs = torch.tensor(np.array([
         _target_probs(text + tuple(spine[: b.node]) + b.tokens[: i + 1])
         for b in branches for i in range(len(b.tokens))

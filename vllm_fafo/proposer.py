@@ -330,7 +330,6 @@ class FafoProposer:
                     "branches read vLLM's paged KV cache, which this engine's cache dtype or CPU "
                     "attention ISA does not allow; set num_candidates to 1"
                 )
-            self._device = torch.device(vllm_config.device_config.device)
         self.frozen: NgramPool | None = None
         if self.config.frozen_table is not None:
             self.frozen = load_table(self.config.frozen_table, self.config.max_key_len,
@@ -703,7 +702,7 @@ class FafoProposer:
             if not kept:
                 continue
             request = layout_request(req_id, row, int(batch.query_start_loc[row]),
-                                     int(batch.num_computed_tokens[row]), start, kept, self._device)
+                                     int(batch.num_computed_tokens[row]), start, kept)
             requests.append(request)
             ids.extend(token for branch in kept for token in branch.tokens)
             positions.append(branch_positions(request))

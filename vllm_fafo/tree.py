@@ -176,8 +176,6 @@ class RequestBranches:
     start: int  # batch index of its first branch token
     branches: tuple[Branch, ...]
     num_paged: int  # paged positions 0..num_paged-1 some branch token sees
-    bias: torch.Tensor  # (T, num_paged + T) float32: 0 where branch token t sees the key
-    # (paged positions, then its own branch's tokens), -inf elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -193,22 +191,26 @@ class RequestBranches:
 
 
 def layout_request(req_id: str, batch_row: int, x_index: int, x_position: int, start: int,
-                   branches: Sequence[Branch], device: torch.device) -> RequestBranches:
-    """Positions and attention bias of one request's branches, built once per step
-    (every layer reads the same bias)."""
+                   branches: Sequence[Branch]) -> RequestBranches:
+    """Where one request's branches lie in the batch and which paged positions they see."""
+    num_paged = x_position + 1 + max(branch.node for branch in branches) if branches else 0
+    return RequestBranches(req_id, batch_row, x_index, x_position, start, tuple(branches), num_paged)
+
+
+def attention_bias(request: RequestBranches) -> np.ndarray:
+    """(T, num_paged + T) float32: 0 where branch token t sees the key (paged positions,
+    then its own branch's tokens), -inf elsewhere. What the base kernels compute causally
+    over the slots, written out for the dense reference."""
     visible, owner, depth = [], [], []
-    for index, branch in enumerate(branches):
+    for index, branch in enumerate(request.branches):
         for i in range(len(branch.tokens)):
-            visible.append(x_position + branch.node + 1)
+            visible.append(request.x_position + branch.node + 1)
             owner.append(index)
             depth.append(i)
     owner_arr, depth_arr, visible_arr = np.array(owner), np.array(depth), np.array(visible)
-    num_paged = int(visible_arr.max()) if len(visible) else 0
-    paged = np.arange(num_paged)[None, :] < visible_arr[:, None]
+    paged = np.arange(request.num_paged)[None, :] < visible_arr[:, None]
     own = (owner_arr[:, None] == owner_arr[None, :]) & (depth_arr[None, :] <= depth_arr[:, None])
-    bias = np.where(np.concatenate([paged, own], axis=1), np.float32(0), np.float32(-np.inf))
-    return RequestBranches(req_id, batch_row, x_index, x_position, start, tuple(branches), num_paged,
-                           torch.from_numpy(bias).to(device))
+    return np.where(np.concatenate([paged, own], axis=1), np.float32(0), np.float32(-np.inf))
 
 
 def branch_positions(request: RequestBranches) -> np.ndarray:

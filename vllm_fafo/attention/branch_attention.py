@@ -16,7 +16,7 @@ per layer for the k-th branch of every request (a request's branches overlap
 each other's slots or context).
 
 :func:`request_branch_attention` writes the same attention out (softmax over
-exactly those keys, with the bias :func:`vllm_fafo.tree.layout_request`
+exactly those keys, with the bias :func:`vllm_fafo.tree.attention_bias`
 builds): the dense reference the kernel path is tested and timed against.
 
 The layer's branch keys and values are kept on the plan, so an accepted
@@ -144,6 +144,7 @@ def request_branch_attention(
     value_tiles: torch.Tensor,  # (blocks, Hk, block_size, D)
     request: RequestBranches,
     scale: float,
+    bias: torch.Tensor,  # (T, num_paged + T) float32: vllm_fafo.tree.attention_bias(request)
 ) -> torch.Tensor:
     """Attention output (T, Hq, D, float32) of one request's branch tokens.
 
@@ -161,7 +162,7 @@ def request_branch_attention(
     paged_scores = torch.matmul(q, key_tiles.float())  # (blocks, Hk, G*T, block_size)
     paged_scores = paged_scores.permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, padded)[..., :paged]
     own_scores = torch.bmm(q, key.float().permute(1, 2, 0))  # (Hk, G*T, T)
-    scores = torch.cat([paged_scores, own_scores], dim=2).view(kv_heads, group, tokens, -1) * scale + request.bias
+    scores = torch.cat([paged_scores, own_scores], dim=2).view(kv_heads, group, tokens, -1) * scale + bias
     probs = torch.softmax(scores, dim=-1).view(kv_heads, group * tokens, -1)
     paged_probs = F.pad(probs[..., :paged], (0, padded - paged)).view(kv_heads, group * tokens, num_blocks, block_size)
     out = (torch.matmul(paged_probs.permute(2, 0, 1, 3), value_tiles.float()).sum(dim=0)

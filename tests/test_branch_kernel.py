@@ -29,10 +29,80 @@ REQUESTS = (  # (tokens before the current one, spine length, branches)
 )
 
 
-class Batch:
+class PagedStep:
     """A step's batch: each request's current token and spine, then every branch
     token in the tail; earlier context and this step's spine written to a paged cache
-    with vLLM's own write, as vLLM has written them when attention runs."""
+    with the backend's own write (:meth:`write`), as vLLM has written them when
+    attention runs."""
+
+    block_size: int
+    block_table: torch.Tensor
+
+    def fill(self, dtype: torch.dtype, device: torch.device, gen: torch.Generator, num_blocks: int,
+             blocks_per_request: int) -> None:
+        blocks = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        block_table = torch.zeros(len(REQUESTS), blocks_per_request, dtype=torch.int32)
+        used = 0
+        for row, (x_position, spine, _) in enumerate(REQUESTS):
+            needed = -(-(x_position + 1 + spine) // self.block_size)
+            block_table[row, :needed] = blocks[used : used + needed]
+            used += needed
+        self.block_table = block_table.to(device)
+        spine_tokens = sum(1 + spine for _, spine, _ in REQUESTS)
+        tail_tokens = sum(len(b.tokens) for *_, branches in REQUESTS for b in branches)
+        total = spine_tokens + tail_tokens
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+        self.query, self.key, self.value = randn(total, HQ, D), randn(total, HK, D), randn(total, HK, D)
+        requests, x_index, start = [], 0, spine_tokens
+        for row, (x_position, spine, branches) in enumerate(REQUESTS):
+            self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
+            rows = slice(x_index, x_index + 1 + spine)
+            self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
+            request = layout_request(f"r{row}", row, x_index, x_position, start, branches)
+            requests.append(request)
+            x_index += 1 + spine
+            start += request.num_tokens
+        self.plan = BranchPlan(np.zeros(tail_tokens, dtype=np.int64),
+                               np.concatenate([branch_positions(r) for r in requests]), tuple(requests))
+
+    def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.block_table.device)
+        return (self.block_table[row, positions // self.block_size].long() * self.block_size
+                + positions % self.block_size)
+
+    def write(self, row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def verify(self, row: int, node: int, branch_rows: slice) -> torch.Tensor:
+        """What the backend's kernel gives the branch tokens in a verification of (the
+        current token, spine tokens up to ``node``, then the branch) as the request's spine."""
+        raise NotImplementedError
+
+    def assert_matches_the_dense_reference(self, got: torch.Tensor, reader) -> None:
+        for request in self.plan.requests:
+            rows = request.tokens
+            key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
+            want = request_branch_attention(self.query[rows], self.key[rows], self.value[rows], key_tiles,
+                                            value_tiles, request, D**-0.5, torch.from_numpy(attention_bias(request)))
+            torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+
+    def assert_each_branch_row_is_its_verification_as_the_spine(self, got: torch.Tensor) -> None:
+        compared = 0
+        for row, request in enumerate(self.plan.requests):
+            for branch, offset in zip(request.branches, request.offsets()):
+                rows = slice(request.start + offset, request.start + offset + len(branch.tokens))
+                assert torch.equal(got[rows], self.verify(row, branch.node, rows))
+                compared += 1
+        assert compared == sum(len(branches) for *_, branches in REQUESTS)
+
+
+class Batch(PagedStep):
+    """vLLM's CPU attention cache and kernel."""
+
+    block_size = BLOCK_SIZE
 
     def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -43,37 +113,11 @@ class Batch:
         self.kv_cache = torch.zeros(NUM_BLOCKS, HK, BLOCK_SIZE, 2 * D, dtype=dtype)
         halves = self.kv_cache.view(NUM_BLOCKS, HK, 2 * BLOCK_SIZE, D)
         self.key_cache, self.value_cache = halves.chunk(2, dim=2)
-        blocks = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
-        self.block_table = torch.zeros(len(REQUESTS), 8, dtype=torch.int32)
-        spine_tokens = sum(1 + spine for _, spine, _ in REQUESTS)
-        tail_tokens = sum(len(b.tokens) for *_, branches in REQUESTS for b in branches)
-        total = spine_tokens + tail_tokens
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=gen).to(dtype)
-
-        self.query, self.key, self.value = randn(total, HQ, D), randn(total, HK, D), randn(total, HK, D)
-        requests, x_index, start, used = [], 0, spine_tokens, 0
-        for row, (x_position, spine, branches) in enumerate(REQUESTS):
-            needed = -(-(x_position + 1 + spine) // BLOCK_SIZE)
-            self.block_table[row, :needed] = blocks[used : used + needed]
-            used += needed
-            self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
-            rows = slice(x_index, x_index + 1 + spine)
-            self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
-            request = layout_request(f"r{row}", row, x_index, x_position, start, branches)
-            requests.append(request)
-            x_index += 1 + spine
-            start += request.num_tokens
-        self.plan = BranchPlan(np.zeros(tail_tokens, dtype=np.int64),
-                               np.concatenate([branch_positions(r) for r in requests]), tuple(requests))
+        self.fill(dtype, torch.device("cpu"), gen, NUM_BLOCKS, blocks_per_request=8)
         self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
         self.impl = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, scale=D**-0.5, alibi_slopes=None,
                                     sliding_window=-1, logits_soft_cap=0, sinks=None, kv_cache_dtype="auto",
                                     attn_type="decoder")
-
-    def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        return self.block_table[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
     def write(self, row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         ops.cpu_attn_reshape_and_cache(key, value, self.key_cache, self.value_cache, self.slots(row, positions),
@@ -87,15 +131,14 @@ class Batch:
         run_branches_in_kernel(self.plan, rounds, self.query, self.key, self.value, output, kernel, reader)
         return output
 
-    def verify(self, row: int, node: int, branch: Branch, branch_rows: slice) -> torch.Tensor:
-        """What vLLM's kernel gives the branch tokens in a verification of (the current
-        token, spine tokens up to ``node``, then the branch) as the request's spine."""
+    def verify(self, row: int, node: int, branch_rows: slice) -> torch.Tensor:
         x_position, x_index = self.plan.requests[row].x_position, self.plan.requests[row].x_index
-        positions = torch.arange(x_position + node + 1, x_position + node + 1 + len(branch.tokens))
+        n = branch_rows.stop - branch_rows.start
+        positions = torch.arange(x_position + node + 1, x_position + node + 1 + n)
         saved = self.kv_cache.clone()
         self.write(row, positions, self.key[branch_rows], self.value[branch_rows])
         query = torch.cat([self.query[x_index : x_index + node + 1], self.query[branch_rows]])
-        seq_lens = torch.tensor([x_position + node + 1 + len(branch.tokens)], dtype=torch.int32)
+        seq_lens = torch.tensor([x_position + node + 1 + n], dtype=torch.int32)
         query_start_loc = torch.tensor([0, len(query)], dtype=torch.int32)
         metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1, num_heads=HQ, num_kv_heads=HK, head_dim=D, seq_lens=seq_lens, dtype=self.dtype,
@@ -117,14 +160,7 @@ def test_kernel_path_matches_the_dense_reference_and_leaves_the_cache_as_vllm_wr
     before = batch.kv_cache.clone()
     got = batch.run_kernel_path()
     assert torch.equal(batch.kv_cache, before)
-    reader = CPUPagedKV(batch.kv_cache, batch.block_table, batch.isa)
-    for request in batch.plan.requests:
-        rows = request.tokens
-        key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
-        want = request_branch_attention(batch.query[rows], batch.key[rows], batch.value[rows], key_tiles,
-                                        value_tiles, request, D**-0.5,
-                                        torch.from_numpy(attention_bias(request)))
-        torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+    batch.assert_matches_the_dense_reference(got, CPUPagedKV(batch.kv_cache, batch.block_table, batch.isa))
     assert len(batch.plan.kv_stash) == 1  # this layer's branch KV, for an accepted branch's write-back
     assert batch.plan.kv_stash[0][1].shape[0] == batch.plan.num_tokens
 
@@ -144,11 +180,4 @@ def test_kernel_rounds_hold_one_branch_per_request_each():
 def test_each_branch_row_is_what_verifying_its_tokens_as_the_spine_gives(monkeypatch, dtype):
     monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
     batch = Batch(dtype, seed=3)
-    got = batch.run_kernel_path()
-    compared = 0
-    for row, request in enumerate(batch.plan.requests):
-        for branch, offset in zip(request.branches, request.offsets()):
-            rows = slice(request.start + offset, request.start + offset + len(branch.tokens))
-            assert torch.equal(got[rows], batch.verify(row, branch.node, branch, rows))
-            compared += 1
-    assert compared == sum(len(branches) for *_, branches in REQUESTS)
+    batch.assert_each_branch_row_is_its_verification_as_the_spine(batch.run_kernel_path())

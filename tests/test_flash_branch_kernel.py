@@ -15,19 +15,17 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from vllm.v1.attention.backends import flash_attn
 
-from tests.test_branch_kernel import REQUESTS
-from vllm_fafo.attention.branch_attention import kernel_rounds, request_branch_attention, run_branches_in_kernel
+from tests.test_branch_kernel import HK, HQ, REQUESTS, D, PagedStep
+from vllm_fafo.attention.branch_attention import kernel_rounds, run_branches_in_kernel
 from vllm_fafo.attention.cuda import FafoFlashAttentionImpl, FlashBranchKernel
 from vllm_fafo.attention.paged_kv import LogicalPagedKV
-from vllm_fafo.tree import BranchPlan, attention_bias, branch_positions, layout_request
 
-HQ, HK, D, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 16, 150
-"""SmolLM2-135M's attention, FlashAttention's default block size."""
+BLOCK_SIZE, NUM_BLOCKS = 16, 150
+"""FlashAttention's default block size."""
 
 
 def dense_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -62,10 +60,10 @@ class DenseFlashVarlen:
         return out
 
 
-class FlashBatch:
-    """A step's batch as FlashAttention sees it: each request's current token and spine,
-    then every branch token in the tail; earlier context and this step's spine written
-    to a FlashAttention-shaped paged cache, as vLLM has written them when attention runs."""
+class FlashBatch(PagedStep):
+    """FlashAttention's cache (the logical [blocks, Hk, block_size, 2D] layout) and kernels."""
+
+    block_size = BLOCK_SIZE
 
     def __init__(self, dtype: torch.dtype, device: str, seed: int = 0, **impl_settings) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -77,36 +75,7 @@ class FlashBatch:
         self.layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
         self.metadata = SimpleNamespace(causal=True, rswa_prefix_lens=None, mm_prefix_query_range_tensor=None,
                                         max_num_splits=1)
-        blocks = torch.randperm(NUM_BLOCKS, generator=gen).to(torch.int32)
-        self.block_table = torch.zeros(len(REQUESTS), 48, dtype=torch.int32)
-        spine_tokens = sum(1 + spine for _, spine, _ in REQUESTS)
-        tail_tokens = sum(len(b.tokens) for *_, branches in REQUESTS for b in branches)
-        total = spine_tokens + tail_tokens
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=gen).to(dtype).to(device)
-
-        self.query, self.key, self.value = randn(total, HQ, D), randn(total, HK, D), randn(total, HK, D)
-        requests, x_index, start, used = [], 0, spine_tokens, 0
-        for row, (x_position, spine, _) in enumerate(REQUESTS):
-            needed = -(-(x_position + 1 + spine) // BLOCK_SIZE)
-            self.block_table[row, :needed] = blocks[used : used + needed]
-            used += needed
-        self.block_table = self.block_table.to(device)
-        for row, (x_position, spine, branches) in enumerate(REQUESTS):
-            self.write(row, torch.arange(x_position), randn(x_position, HK, D), randn(x_position, HK, D))
-            rows = slice(x_index, x_index + 1 + spine)
-            self.write(row, torch.arange(x_position, x_position + 1 + spine), self.key[rows], self.value[rows])
-            request = layout_request(f"r{row}", row, x_index, x_position, start, branches)
-            requests.append(request)
-            x_index += 1 + spine
-            start += request.num_tokens
-        self.plan = BranchPlan(np.zeros(tail_tokens, dtype=np.int64),
-                               np.concatenate([branch_positions(r) for r in requests]), tuple(requests))
-
-    def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        positions = positions.to(self.device)
-        return self.block_table[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        self.fill(dtype, self.device, gen, NUM_BLOCKS, blocks_per_request=48)
 
     def write(self, row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, self.slots(row, positions))
@@ -120,8 +89,6 @@ class FlashBatch:
         return output
 
     def verify(self, row: int, node: int, branch_rows: slice) -> torch.Tensor:
-        """What FlashAttention gives the branch tokens in a verification of (the current
-        token, spine tokens up to ``node``, then the branch) as the request's spine."""
         request = self.plan.requests[row]
         n = branch_rows.stop - branch_rows.start
         positions = torch.arange(request.x_position + node + 1, request.x_position + node + 1 + n)
@@ -157,14 +124,7 @@ def test_flash_branch_kernel_matches_the_dense_reference_and_leaves_the_cache_as
     got = batch.run_kernel_path()
     assert torch.equal(batch.kv_cache, before)
     assert len(dense_flash.calls) == max(len(branches) for *_, branches in REQUESTS)  # one call per round
-    reader = LogicalPagedKV(batch.kv_cache, batch.block_table)
-    for request in batch.plan.requests:
-        rows = request.tokens
-        key_tiles, value_tiles = reader.read_tiles(request.batch_row, request.num_paged)
-        want = request_branch_attention(batch.query[rows], batch.key[rows], batch.value[rows], key_tiles,
-                                        value_tiles, request, D**-0.5,
-                                        torch.from_numpy(attention_bias(request)))
-        torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+    batch.assert_matches_the_dense_reference(got, LogicalPagedKV(batch.kv_cache, batch.block_table))
 
 
 def test_flash_branch_kernel_calls_flash_attention_with_the_layer_s_settings(dense_flash):
@@ -197,11 +157,4 @@ def test_flash_branch_kernel_refuses_forward_paths_it_does_not_mirror(dense_flas
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA FlashAttention (GPU only)")
 def test_each_flash_branch_row_is_what_verifying_its_tokens_as_the_spine_gives():
     batch = FlashBatch(torch.bfloat16, "cuda", seed=3)
-    got = batch.run_kernel_path()
-    compared = 0
-    for row, request in enumerate(batch.plan.requests):
-        for branch, offset in zip(request.branches, request.offsets()):
-            rows = slice(request.start + offset, request.start + offset + len(branch.tokens))
-            assert torch.equal(got[rows], batch.verify(row, branch.node, rows))
-            compared += 1
-    assert compared == sum(len(branches) for *_, branches in REQUESTS)
+    batch.assert_each_branch_row_is_its_verification_as_the_spine(batch.run_kernel_path())

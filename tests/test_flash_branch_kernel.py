@@ -68,7 +68,8 @@ class FlashBatch(PagedStep):
     def __init__(self, dtype: torch.dtype, device: str, seed: int = 0, **impl_settings) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.device = torch.device(device)
-        self.kv_cache = torch.zeros(NUM_BLOCKS, HK, BLOCK_SIZE, 2 * D, dtype=dtype, device=device)
+        # vLLM's FlashAttention layout (LBNHC): logical [blocks, Hk, block_size, 2D] over [blocks, block_size, Hk, 2D]
+        self.kv_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HK, 2 * D, dtype=dtype, device=device).transpose(1, 2)
         settings = {"alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **impl_settings}
         self.impl = FafoFlashAttentionImpl(HQ, D, D**-0.5, HK, **settings)
         one = torch.ones((), dtype=torch.float32, device=device)

@@ -7,9 +7,9 @@ mapping -1), then this maintains the layer's compressed region and writes
 the lane tokens' outputs, and runs the draft tree's branches
 (:mod:`vllm_fafo.attention.branch_attention`). A wrapper only says how to
 read its base's paged KV cache, how to call its base's kernel for the
-branches, and which of its layers' settings that call does not cover. Without a step plan on the forward's attention
-metadata (no lanes configured, warm-up, profiling) the wrapper is exactly
-the base backend.
+branches, and which of its layers' settings that call does not cover.
+Without a step plan on the forward's attention metadata (no lanes
+configured, warm-up, profiling) the wrapper is exactly the base backend.
 
 The region is allocated when vLLM builds the layer (inside its
 ``set_current_vllm_config`` context, during model loading), from the engine's

@@ -19,7 +19,7 @@ import pytest
 import torch
 from vllm.v1.attention.backends import flash_attn
 
-from tests.test_branch_kernel import HK, HQ, REQUESTS, D, PagedStep
+from tests.branch_steps import HK, HQ, REQUESTS, D, PagedStep
 from vllm_fafo.attention.branch_attention import kernel_rounds, run_branches_in_kernel
 from vllm_fafo.attention.cuda import FafoFlashAttentionImpl, FlashBranchKernel
 from vllm_fafo.attention.paged_kv import LogicalPagedKV

@@ -3,6 +3,8 @@ each backend (tests/test_branch_kernel.py: vLLM's CPU attention;
 tests/test_flash_branch_kernel.py: FlashAttention). Imports nothing backend-specific,
 so the GPU machine collects the FlashAttention tests without vLLM's CPU kernels."""
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 import torch
 
@@ -18,7 +20,7 @@ REQUESTS = (  # (tokens before the current one, spine length, branches)
 )
 
 
-class PagedStep:
+class PagedStep(ABC):
     """A step's batch: each request's current token and spine, then every branch
     token in the tail; earlier context and this step's spine written to a paged cache
     with the backend's own write (:meth:`write`), as vLLM has written them when
@@ -62,13 +64,14 @@ class PagedStep:
         return (self.block_table[row, positions // self.block_size].long() * self.block_size
                 + positions % self.block_size)
 
+    @abstractmethod
     def write(self, row: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Store ``key``/``value`` at ``positions`` of request ``row`` with the backend's own write."""
 
+    @abstractmethod
     def verify(self, row: int, node: int, branch_rows: slice) -> torch.Tensor:
         """What the backend's kernel gives the branch tokens in a verification of (the
         current token, spine tokens up to ``node``, then the branch) as the request's spine."""
-        raise NotImplementedError
 
     def assert_matches_the_dense_reference(self, got: torch.Tensor, reader) -> None:
         for request in self.plan.requests:

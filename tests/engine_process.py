@@ -79,7 +79,7 @@ def long16k(spec: dict | None) -> dict[str, Any]:
 
 
 WINDOW = 48
-WINDOWED_PROMPTS = 6
+WINDOWED_PROMPTS = 4
 WINDOWED_MAX_TOKENS = 160
 
 

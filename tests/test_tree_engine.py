@@ -53,8 +53,8 @@ def test_concurrent_requests_identical_to_plain_with_branches_accepted(plain_llm
 
 def test_sliding_window_model_identical_to_plain_with_branches_accepted(tmp_path):
     """Branches attend through vLLM's CPU kernel with the layer's own window. Written
-    out as plain softmax over the whole context (the release before), 5 of these 6
-    answers differed from plain vLLM's, from tokens 6-64 on. Each engine runs in its
+    out as plain softmax over the whole context (the release before), 5 of the first 6
+    such answers differed from plain vLLM's, from tokens 6-64 on. Each engine runs in its
     own process (tests/engine_process.py)."""
     expected = run_case("windowed", None, tmp_path)["tokens"]
     result = run_case("windowed", TREE_SPEC, tmp_path)

@@ -67,14 +67,13 @@ from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.goodput import GoodputController, StepOutcome
 from vllm_fafo.pool import alternatives_in
 from vllm_fafo.proposer import (
-    chain_draft,
     file_new_ngrams,
     first_anchor,
     longest_match,
+    request_draft,
     request_pool,
     shared_pools,
     suffix_trees,
-    tree_draft,
 )
 from vllm_fafo.runner_up import RunnerUpTable
 from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
@@ -212,15 +211,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
                                                   request.num_tokens, request.prompt_len)
             request.file_runner_ups()
-            draft, key_len = [], 0
-            if trees is not None:
-                draft, _, key_len = tree_draft(trees, request.pools, None, request.req_id, request.history,
-                                               request.num_tokens, k) or ([], [], 0)
-            if not draft:
-                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
-                draft, _, key_len = chain_draft(request.pools, None, context, k)
-                if not draft and request.runner_ups is not None:
-                    draft = request.runner_ups.chain(context[-1], k)  # as the proposer's _draft, context 0
+            draft, _, key_len = request_draft(trees, request.pools, None, request.runner_ups, request.req_id,
+                                              request.history, request.num_tokens, k)
             if oracle:
                 context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]

@@ -234,6 +234,27 @@ def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], frozen: NgramPool
     return draft, origins, match_len
 
 
+def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], frozen: NgramPool | None,
+                  runner_ups: RunnerUpTable | None, req_id: str, history: np.ndarray, num_tokens: int,
+                  room: int) -> tuple[list[int], list[Origin], int]:
+    """A request's draft of at most ``room`` tokens, with each token's origin and the
+    length of the context it matched: its suffix tree's (``text_source``
+    ``suffix_tree``) or its own text's deep match (``deep_match``), else its pools'
+    (:func:`chain_draft`), else the chain of the target's top successors
+    (``runner_up_tokens``; matched context 0). The proposer and the pool replay
+    (benchmarks/replay_pool.py) both draft through this one order."""
+    if trees is not None:
+        found = tree_draft(trees, pools, frozen, req_id, history, num_tokens, room)
+        if found is not None:
+            return found
+    context = history[max(0, num_tokens - pools[0].max_key_len) : num_tokens].tolist()
+    draft, origins, key_len = chain_draft(pools, frozen, context, room)
+    if not draft and runner_ups is not None:
+        draft = runner_ups.chain(context[-1], room)
+        origins = [Origin.RUNNER_UP] * len(draft)
+    return draft, origins, key_len
+
+
 @dataclass
 class FafoStep:
     """Everything about one engine step, from ``begin_step`` to ``propose``.
@@ -795,19 +816,8 @@ class FafoProposer:
 
     def _draft(self, req_id: str, state: RequestState, history: np.ndarray,
                num_tokens: int) -> tuple[list[int], list[Origin], int]:
-        """The request's draft, at most ``num_speculative_tokens`` and never past
-        ``max_model_len``: its suffix tree's (``text_source`` ``suffix_tree``), its own
-        text's deep match (``deep_match``) or else its pools' (:func:`chain_draft`),
-        with the length of the context it matched; where none has one, the chain of
-        the target's top successors (``runner_up_tokens``; matched context 0)."""
+        """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
+        and never past ``max_model_len``."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
-        if self.suffix_trees is not None:
-            found = tree_draft(self.suffix_trees, state.pools, self.frozen, req_id, history, num_tokens, room)
-            if found is not None:
-                return found
-        context = history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist()
-        draft, origins, key_len = chain_draft(state.pools, self.frozen, context, room)
-        if not draft and state.runner_ups is not None:
-            draft = state.runner_ups.chain(context[-1], room)
-            origins = [Origin.RUNNER_UP] * len(draft)
-        return draft, origins, key_len
+        return request_draft(self.suffix_trees, state.pools, self.frozen, state.runner_ups, req_id, history,
+                             num_tokens, room)

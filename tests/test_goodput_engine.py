@@ -13,7 +13,7 @@ import pytest
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.metrics import collect_metrics
 
-from .conftest import BATCH1_PROMPTS
+from .conftest import BATCH1_PROMPTS, LANES_SPEC
 from .engine_utils import assert_concurrent_identical, assert_same_tokens, generate_one_by_one, greedy, make_llm, token_ids
 from .test_sampling import assert_same_distribution, sample
 
@@ -75,9 +75,9 @@ def test_fixed_controller_runs_the_configured_lanes_every_decode_step(lanes_llm,
     before = collect_metrics(lanes_llm)
     lanes_llm.generate(mtbench[:1], greedy(24), use_tqdm=False)
     after = collect_metrics(lanes_llm)
-    assert after["controller"] == {"controller": "fixed", "lanes": 8,
+    assert after["controller"] == {"controller": "fixed", "lanes": LANES_SPEC["num_lanes"],
                                    "draft_len": FafoConfig().num_speculative_tokens}
     tail = after["tail_tokens"] - before["tail_tokens"]
     steps = after["propose_calls"] - before["propose_calls"]
-    # One prefill step without a tail, then 8 lanes x 4 tokens on every decode step.
-    assert tail == 8 * 4 * (steps - 1)
+    # One prefill step without a tail, then every lane's tokens on every decode step.
+    assert tail == LANES_SPEC["num_lanes"] * LANES_SPEC["lane_len"] * (steps - 1)

@@ -69,6 +69,7 @@ from vllm_fafo.pool import alternatives_in
 from vllm_fafo.proposer import (
     file_new_ngrams,
     first_anchor,
+    key_context,
     longest_match,
     request_draft,
     request_pool,
@@ -206,15 +207,16 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             tokens += len(payload.output)
             continue
         running = payload
-        drafts, key_lens = [], []
+        drafts, key_lens, contexts = [], [], []
         for request in running:
             request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
                                                   request.num_tokens, request.prompt_len)
             request.file_runner_ups()
+            context = key_context(request.history, request.num_tokens, max_key_len)
+            contexts.append(context)
             draft, _, key_len = request_draft(trees, request.pools, None, request.runner_ups, request.req_id,
-                                              request.history, request.num_tokens, k)
+                                              request.history, request.num_tokens, context, k)
             if oracle:
-                context = request.history[request.num_tokens - max_key_len : request.num_tokens].tolist()
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
                 draft = max(candidates, key=lambda c: accepted_prefix(c, request.output, request.done))
             drafts.append(draft)
@@ -226,10 +228,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
         accepted = []
-        for request, draft in zip(running, drafts):
+        for request, draft, context in zip(running, drafts, contexts):
             branches = () if not grows_trees else grow_branches(
-                request.pools, request.history[request.num_tokens - max_key_len : request.num_tokens].tolist(),
-                draft, config.num_candidates - 1, config.tree_tokens - len(draft), request.runner_ups)
+                request.pools, context, draft, config.num_candidates - 1, config.tree_tokens - len(draft), request.runner_ups)
             branch_tokens += sum(len(branch.tokens) for branch in branches)
             on_spine, off_spine = advance_tree(request, draft, branches)
             accepted.append(on_spine)

@@ -234,20 +234,25 @@ def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], frozen: NgramPool
     return draft, origins, match_len
 
 
+def key_context(history: np.ndarray, num_tokens: int, max_key_len: int) -> list[int]:
+    """The text's last ``max_key_len`` tokens: what pool keys and branches match against."""
+    return history[max(0, num_tokens - max_key_len) : num_tokens].tolist()
+
+
 def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], frozen: NgramPool | None,
                   runner_ups: RunnerUpTable | None, req_id: str, history: np.ndarray, num_tokens: int,
-                  room: int) -> tuple[list[int], list[Origin], int]:
+                  context: list[int], room: int) -> tuple[list[int], list[Origin], int]:
     """A request's draft of at most ``room`` tokens, with each token's origin and the
     length of the context it matched: its suffix tree's (``text_source``
     ``suffix_tree``) or its own text's deep match (``deep_match``), else its pools'
     (:func:`chain_draft`), else the chain of the target's top successors
-    (``runner_up_tokens``; matched context 0). The proposer and the pool replay
+    (``runner_up_tokens``; matched context 0). ``context``: the text's last
+    ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
     (benchmarks/replay_pool.py) both draft through this one order."""
     if trees is not None:
         found = tree_draft(trees, pools, frozen, req_id, history, num_tokens, room)
         if found is not None:
             return found
-    context = history[max(0, num_tokens - pools[0].max_key_len) : num_tokens].tolist()
     draft, origins, key_len = chain_draft(pools, frozen, context, room)
     if not draft and runner_ups is not None:
         draft = runner_ups.chain(context[-1], room)
@@ -647,8 +652,8 @@ class FafoProposer:
             lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
             state.next_anchor = file_new_ngrams(self.config, state.pools, history, state.next_anchor, num_tokens,
                                                 state.prompt_len)
-            found.append((state, *self._draft(req_ids[row], state, history, num_tokens)))
-            contexts.append(history[max(0, num_tokens - self.config.max_key_len) : num_tokens].tolist())
+            contexts.append(key_context(history, num_tokens, self.config.max_key_len))
+            found.append((state, *self._draft(req_ids[row], state, history, num_tokens, contexts[-1])))
         if self.shared is not None:
             self.shared.trim()
         self._learn(step, len(decoding_rows), accepted, lane_accepted,
@@ -814,10 +819,10 @@ class FafoProposer:
                 self.suffix_trees.start(req_id, tenant, history[:prompt_len])
         return state
 
-    def _draft(self, req_id: str, state: RequestState, history: np.ndarray,
-               num_tokens: int) -> tuple[list[int], list[Origin], int]:
+    def _draft(self, req_id: str, state: RequestState, history: np.ndarray, num_tokens: int,
+               context: list[int]) -> tuple[list[int], list[Origin], int]:
         """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
         and never past ``max_model_len``."""
         room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         return request_draft(self.suffix_trees, state.pools, self.frozen, state.runner_ups, req_id, history,
-                             num_tokens, room)
+                             num_tokens, context, room)

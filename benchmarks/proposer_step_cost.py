@@ -69,10 +69,11 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 
 
 def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
-            seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS) -> dict:
+            seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS,
+            text_ngram_len: int = FafoConfig.text_ngram_len) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``."""
-    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source)
+    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -117,18 +118,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
     parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
+    parser.add_argument("--text-ngram-len", type=int, default=FafoConfig.text_ngram_len,
+                        help="length of the candidates filed from the text (0: num_speculative_tokens)")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
     args = parser.parse_args()
     cost_ms = args.cost_ms
-    print(f"controller {args.controller}, text source {args.text_source}, {args.steps} steps, no lanes (num_lanes 0), "
-          f"forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
-    measure(1, 128, 100, args.controller, args.text_source, cost_ms=cost_ms)  # the process's first steps run slower
+    print(f"controller {args.controller}, text source {args.text_source}, text n-grams {args.text_ngram_len or 'k'}, "
+          f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
+    options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len}
+    measure(1, 128, 100, args.controller, args.text_source, **options)  # the process's first steps run slower
     print("| batch | history tokens | us per step | us per request-step | tau |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
-            result = measure(batch, length, args.steps, args.controller, args.text_source, cost_ms=cost_ms)
+            result = measure(batch, length, args.steps, args.controller, args.text_source, **options)
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
                   f"| {result['tau']:.2f} |")
 

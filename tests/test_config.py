@@ -16,6 +16,11 @@ def test_keys_accept_dashes_like_vllm_cli():
     assert config.max_key_len == 2
 
 
+def test_text_ngram_len_sets_the_text_candidates_length():
+    assert FafoConfig().ngram_len == FafoConfig().num_speculative_tokens
+    assert FafoConfig.from_user_dict({"method": "fafo", "text_ngram_len": 4}).ngram_len == 4
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -42,6 +47,8 @@ def test_keys_accept_dashes_like_vllm_cli():
         ("shared_pool_keys", 0, "['shared_pool_keys']=0 is out of range"),
         ("shared_pool_tenants", 0, "['shared_pool_tenants']=0 is out of range"),
         ("shared_pool_tenants", 1.5, "must be an integer"),
+        ("text_ngram_len", -1, "['text_ngram_len']=-1 is out of range"),
+        ("text_ngram_len", 65, "integers in [0, 64]"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(key, value, message):

@@ -92,6 +92,20 @@ def test_draft_respects_max_model_len_and_num_speculative_tokens():
     assert batch2.step(proposer2, [[4]]) == [[5, 6]]
 
 
+def test_short_text_ngrams_chain_along_the_newest_places():
+    """``text_ngram_len`` 2: the draft is chained from 2-token pieces, each found under
+    the draft's own last tokens (the newest place of "3 4" is followed by "8 8"); whole
+    6-token n-grams follow the one place of "1 2"."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 9, 3, 4, 8, 8, 1]
+    drafts = {}
+    for ngram_len in (0, 2):
+        proposer = make_proposer(num_speculative_tokens=6, max_key_len=2, text_ngram_len=ngram_len)
+        batch = FakeBatch()
+        batch.add("a", prompt)
+        drafts[ngram_len] = batch.step(proposer, [[2]])[0]
+    assert drafts == {0: [3, 4, 5, 6, 7, 9], 2: [3, 4, 8, 8, 1, 2]}
+
+
 def test_seed_from_prompt_false_ignores_prompt_ngrams():
     proposer = make_proposer(seed_from_prompt=False)
     batch = FakeBatch()

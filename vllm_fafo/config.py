@@ -101,6 +101,11 @@ class FafoConfig:
     """Top next tokens kept from the target's logits at every verified position, per
     token they follow (Token Recycling's table, vllm_fafo.runner_up), drafted from where
     the text has no candidate and offered as tree branches; 0: off."""
+    text_ngram_len: int = 0
+    """Length of the candidates filed from the prompt and the output; 0:
+    ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
+    found under the draft's own last tokens (Cacheback's followers are 3 long), and
+    make draft-tree branches shorter (README "Text n-gram length")."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -116,8 +121,6 @@ class FafoConfig:
     Lookahead refresh candidates on insertion only."""
     seed_from_output: bool = True
     """File the n-grams of generated text (Lookahead's pool takes lanes' only)."""
-    text_ngram_len: int = 0
-    """Length of the candidates filed from text; 0: num_speculative_tokens."""
     stagger_lanes: bool = False
     """Lane i starts i positions later (Lookahead's 2D window); else all
     lanes guess the text right after the current token (FAFO)."""
@@ -286,6 +289,6 @@ USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
-    "text_source", "suffix_tree_cached_requests", "runner_up_tokens",
+    "text_source", "suffix_tree_cached_requests", "runner_up_tokens", "text_ngram_len",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -98,7 +98,8 @@ def test_sampled_requests_with_branches_keep_plain_distribution(plain_llm, plain
 
 @pytest.fixture(scope="session")
 def goodput_tree_llm(model_dir):
-    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0, "num_candidates": 8})
+    # 4-token text n-grams: the tree README "Text n-gram length" measures for GPUs
+    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "text_ngram_len": 4})
 
 
 def test_trees_sized_by_the_goodput_controller_identical_to_plain(plain_batch1_tokens, goodput_tree_llm, mtbench):

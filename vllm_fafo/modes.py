@@ -71,7 +71,6 @@ class LookaheadConfig:
         return FafoConfig(
             method="lookahead",
             num_speculative_tokens=self.ngram - 1,
-            text_ngram_len=self.ngram - 1,
             num_lanes=self.window,
             lane_len=self.ngram - 1,
             max_key_len=1,

@@ -49,12 +49,21 @@ def test_text_ngram_len_sets_the_text_candidates_length():
         ("shared_pool_tenants", 1.5, "must be an integer"),
         ("text_ngram_len", -1, "['text_ngram_len']=-1 is out of range"),
         ("text_ngram_len", 65, "integers in [0, 64]"),
+        ("pad_drafts", 1, "['pad_drafts']=1 must be true or false"),
+        ("pad_drafts", True, "needs controller 'fixed' and num_candidates 1 (got controller 'goodput'"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(key, value, message):
     with pytest.raises(FafoConfigError) as info:
         FafoConfig.from_user_dict({"method": "fafo", key: value})
     assert message in str(info.value)
+
+
+def test_padded_drafts_need_the_fixed_controller_and_no_tree():
+    spec = {"method": "fafo", "pad_drafts": True, "controller": "fixed"}
+    assert FafoConfig.from_user_dict(spec).pad_drafts
+    with pytest.raises(FafoConfigError, match="got controller 'fixed', num_candidates 4"):
+        FafoConfig.from_user_dict({**spec, "num_candidates": 4})
 
 
 def test_unknown_key_lists_allowed_keys():

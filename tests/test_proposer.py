@@ -106,6 +106,24 @@ def test_short_text_ngrams_chain_along_the_newest_places():
     assert drafts == {0: [3, 4, 5, 6, 7, 9], 2: [3, 4, 8, 8, 1, 2]}
 
 
+def test_padded_drafts_are_num_speculative_tokens_long_found_tokens_first():
+    """``pad_drafts``: the found draft ("2 3": nothing is filed under "2 3" or "3" yet),
+    then its last token repeated; a request without a draft repeats its text's last
+    token; never past ``max_model_len``. Filler is counted as origin ``pad``, and a
+    draft of filler only as a miss."""
+    proposer = make_proposer(max_model_len=14, num_speculative_tokens=4, max_key_len=2, text_ngram_len=2,
+                             pad_drafts=True)
+    batch = FakeBatch(max_model_len=14)
+    batch.add("a", [1, 2, 3])
+    batch.add("b", [5, 6, 7, 8])
+    batch.add("c", [4] * 11)
+    assert batch.step(proposer, [[1], [9], [10]]) == [[2, 3, 3, 3], [9, 9, 9, 9], [10, 10]]
+    metrics = proposer.metrics
+    assert (metrics.lookups, metrics.pool_hits) == (3, 1)
+    assert metrics.proposed_tokens["pad"] == 2 + 4 + 2
+    assert metrics.proposed_tokens["prompt"] == 2
+
+
 def test_seed_from_prompt_false_ignores_prompt_ngrams():
     proposer = make_proposer(seed_from_prompt=False)
     batch = FakeBatch()

@@ -106,6 +106,14 @@ class FafoConfig:
     ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
     found under the draft's own last tokens (Cacheback's followers are 3 long), and
     make draft-tree branches shorter (README "Text n-gram length")."""
+    pad_drafts: bool = False
+    """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
+    tokens (the text's last token repeated; verification stops at the first token the
+    target does not produce, so filler is lossless), so that each decode step gives
+    every request the same number of tokens: the uniform batch that vLLM's V1 runner
+    replays as one whole CUDA graph (a step with drafts of different lengths runs
+    piecewise, attention launched layer by layer). Needs ``controller`` ``fixed`` and
+    ``num_candidates`` 1 (README "Padded drafts")."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -213,6 +221,14 @@ class FafoConfig:
             )
         check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
         check_int("runner_up_tokens", self.runner_up_tokens, 0, 16)
+        check_bool("pad_drafts", self.pad_drafts)
+        if self.pad_drafts and (self.controller != "fixed" or self.num_candidates != 1):
+            raise FafoConfigError(
+                f"speculative_config['pad_drafts']=True needs controller 'fixed' and num_candidates 1 "
+                f"(got controller {self.controller!r}, num_candidates {self.num_candidates}): padded "
+                "drafts cost the same whatever the goodput controller cuts, and draft-tree branches "
+                "change each step's token count"
+            )
         if self.text_source == "suffix_tree":
             require_suffix_trees()
         if self.text_source == "deep_match" and self.max_key_len >= MATCH_DEPTH:
@@ -290,5 +306,6 @@ USER_KEYS = (
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
     "text_source", "suffix_tree_cached_requests", "runner_up_tokens", "text_ngram_len",
+    "pad_drafts",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

@@ -42,9 +42,9 @@ class FafoMetrics:
     accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
 
     def record_draft(self, origins: list[Origin]) -> None:
-        """One draft, by the origin of each of its tokens (empty: a miss)."""
+        """One draft, by the origin of each of its tokens (empty, or filler only: a miss)."""
         self.lookups += 1
-        if origins:
+        if origins and origins[0] is not Origin.PAD:
             self.pool_hits += 1
         for origin in origins:
             self.proposed_tokens[origin.value] += 1

@@ -37,6 +37,7 @@ class Origin(str, Enum):
     SUFFIX_TREE = "suffix_tree"  # the text's suffix trees (text_source "suffix_tree")
     DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (text_source "deep_match")
     RUNNER_UP = "runner_up"  # the target's top successors of the current token (runner_up_tokens)
+    PAD = "pad"  # filler after the found draft (pad_drafts)
 
 
 Candidate = tuple[int, ...]

@@ -260,6 +260,16 @@ def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], frozen:
     return draft, origins, key_len
 
 
+def pad_draft(draft: list[int], origins: list[Origin], room: int, last_token: int) -> tuple[list[int], list[Origin]]:
+    """``draft`` filled up to ``room`` tokens by repeating its last token (``last_token``,
+    the text's, where it is empty), with :attr:`Origin.PAD` for the filler (``pad_drafts``).
+    Lossless: verification stops at the first token the target does not produce."""
+    missing = room - len(draft)
+    if missing <= 0:
+        return draft, origins
+    return draft + [draft[-1] if draft else last_token] * missing, origins + [Origin.PAD] * missing
+
+
 @dataclass
 class FafoStep:
     """Everything about one engine step, from ``begin_step`` to ``propose``.
@@ -670,8 +680,10 @@ class FafoProposer:
         for row, (state, draft, origins, _), context, length in zip(
             decoding.tolist(), found, contexts, lengths.tolist()
         ):
-            drafts[row] = draft[:length]
-            state.last_draft_origins = origins[:length]
+            drafts[row], state.last_draft_origins = draft[:length], origins[:length]
+            if self.config.pad_drafts:  # every request the same tokens: a uniform decode batch
+                drafts[row], state.last_draft_origins = pad_draft(
+                    drafts[row], state.last_draft_origins, self._room(int(num_tokens_no_spec[row])), context[-1])
             self.metrics.record_draft(state.last_draft_origins)
             if self.tree_enabled and req_ids[row] in step.tree_eligible:
                 state.branches = grow_branches(
@@ -823,6 +835,10 @@ class FafoProposer:
                context: list[int]) -> tuple[list[int], list[Origin], int]:
         """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
         and never past ``max_model_len``."""
-        room = min(self.num_speculative_tokens, self.max_model_len - num_tokens)
         return request_draft(self.suffix_trees, state.pools, self.frozen, state.runner_ups, req_id, history,
-                             num_tokens, context, room)
+                             num_tokens, context, self._room(num_tokens))
+
+    def _room(self, num_tokens: int) -> int:
+        """Draft tokens a request with ``num_tokens`` tokens may get: at most
+        ``num_speculative_tokens``, never past ``max_model_len``."""
+        return min(self.num_speculative_tokens, self.max_model_len - num_tokens)

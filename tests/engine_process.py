@@ -2,7 +2,9 @@
 cannot host next to its own: tensor parallel (two worker processes), a 16k
 context (a KV cache of its own size) and another model (a sliding-window
 SmolLM2: an engine made and dropped in the test process takes vLLM's
-process-wide parallel state with it, under the session's other engines).
+process-wide parallel state with it, under the session's other engines), and one
+more SmolLM2 engine whose memory the test process, holding the session's engines,
+cannot spare (padded drafts).
 
 Usage: ``python -m tests.engine_process CASE SPEC_JSON_OR_none OUT_JSON``, CASE one
 of :data:`CASES`. Writes the greedy tokens and, for FAFO, what the case checks.
@@ -101,7 +103,33 @@ def windowed(spec: dict | None) -> dict[str, Any]:
             "sliding_window": llm.llm_engine.model_config.hf_config.sliding_window}
 
 
-CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed}
+PADDED_CONCURRENT_PROMPTS = 8
+
+
+def padded(spec: dict | None) -> dict[str, Any]:
+    """SmolLM2 with padded drafts (tests/test_padded_engine.py): MT-Bench prompts at batch
+    1 and concurrent (:func:`~tests.engine_utils.concurrent_params`), then
+    tests/test_sampling.py's samples; FAFO's counters after each."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    from vllm_fafo.assets import load_prompts, smollm2_dir
+    from vllm_fafo.metrics import collect_metrics
+
+    from .conftest import BATCH1_PROMPTS
+    from .engine_utils import chat_prompts, concurrent_params, generate_one_by_one, greedy, make_llm, token_ids
+    from .test_sampling import sample
+
+    llm = make_llm(str(smollm2_dir()), spec)
+    prompts = chat_prompts(llm, load_prompts("mtbench", PADDED_CONCURRENT_PROMPTS))
+    batch1 = token_ids(generate_one_by_one(llm, prompts[:BATCH1_PROMPTS], greedy(128)))
+    batch1_metrics = collect_metrics(llm)
+    concurrent = token_ids(llm.generate(prompts, concurrent_params(len(prompts)), use_tqdm=False))
+    concurrent_metrics = collect_metrics(llm)
+    samples = sample(llm, seed0=10_000)
+    return {"batch1": batch1, "batch1_metrics": batch1_metrics, "concurrent": concurrent,
+            "concurrent_metrics": concurrent_metrics, "samples": samples, "sample_metrics": collect_metrics(llm)}
+
+
+CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed, "padded": padded}
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -59,9 +59,14 @@ def assert_same_tokens(expected: list[list[int]], got: list[list[int]]) -> None:
     assert len(got) == len(expected)
 
 
+def concurrent_params(num_prompts: int, first_len: int = 40) -> list:
+    """Greedy params of different lengths, for prompts submitted at once."""
+    return [greedy(first_len + 16 * i) for i in range(num_prompts)]
+
+
 def assert_concurrent_identical(plain_llm, llm, prompts: list[str], first_len: int = 40) -> None:
     """All prompts submitted at once, with different lengths: same tokens as plain."""
-    params = [greedy(first_len + 16 * i) for i in range(len(prompts))]
+    params = concurrent_params(len(prompts), first_len)
     expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
     got = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert_same_tokens(expected, got)

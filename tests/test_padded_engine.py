@@ -1,23 +1,16 @@
 """Padded drafts (``pad_drafts``) on the real engine: every decoding request is given
 exactly ``num_speculative_tokens`` draft tokens (the found draft, then filler), and
-greedy tokens and the sampled distribution stay exactly plain vLLM's."""
+greedy tokens and the sampled distribution stay exactly plain vLLM's. The engine runs
+in its own process (tests/engine_process.py): the test process, holding the session's
+engines, has no memory to spare for one more."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_fafo.metrics import collect_metrics
-
-from .conftest import BATCH1_PROMPTS
-from .engine_utils import (
-    assert_concurrent_identical,
-    assert_same_tokens,
-    generate_one_by_one,
-    greedy,
-    make_llm,
-    token_ids,
-)
-from .test_sampling import assert_same_distribution, sample
+from .engine_process import PADDED_CONCURRENT_PROMPTS, run_case
+from .engine_utils import assert_same_tokens, concurrent_params, token_ids
+from .test_sampling import assert_same_distribution
 
 pytestmark = pytest.mark.engine
 
@@ -25,9 +18,9 @@ PADDED_SPEC = {"method": "fafo", "num_lanes": 0, "controller": "fixed", "num_spe
                "pad_drafts": True}
 
 
-@pytest.fixture(scope="session")
-def padded_llm(model_dir):
-    return make_llm(model_dir, PADDED_SPEC)
+@pytest.fixture(scope="module")
+def padded_run(tmp_path_factory) -> dict:
+    return run_case("padded", PADDED_SPEC, tmp_path_factory.mktemp("padded"))
 
 
 def _draft_tokens(metrics: dict) -> tuple[int, int, int]:
@@ -36,23 +29,27 @@ def _draft_tokens(metrics: dict) -> tuple[int, int, int]:
     return metrics["lookups"], sum(metrics["proposed_tokens"].values()), found
 
 
-def test_batch1_identical_to_plain_with_every_draft_padded(padded_llm, plain_batch1_tokens, mtbench):
-    before = _draft_tokens(collect_metrics(padded_llm))
-    got = token_ids(generate_one_by_one(padded_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
-    assert_same_tokens(plain_batch1_tokens, got)
-    after = collect_metrics(padded_llm)
-    lookups, proposed, found = (a - b for a, b in zip(_draft_tokens(after), before))
+def _grown(run: dict, before: str | None, after: str) -> tuple[int, int, int]:
+    start = (0, 0, 0) if before is None else _draft_tokens(run[before])
+    return tuple(a - b for a, b in zip(_draft_tokens(run[after]), start))
+
+
+def test_batch1_identical_to_plain_with_every_draft_padded(padded_run, plain_batch1_tokens):
+    assert_same_tokens(plain_batch1_tokens, padded_run["batch1"])
+    lookups, proposed, found = _grown(padded_run, None, "batch1_metrics")
     assert lookups > 0 and proposed == PADDED_SPEC["num_speculative_tokens"] * lookups
-    assert found > 0 and after["proposed_tokens"]["pad"] > 0
+    assert found > 0 and padded_run["batch1_metrics"]["proposed_tokens"]["pad"] > 0
 
 
-def test_concurrent_requests_identical_to_plain(plain_llm, padded_llm, mtbench):
-    assert_concurrent_identical(plain_llm, padded_llm, mtbench[:8])
+def test_concurrent_requests_identical_to_plain(padded_run, plain_llm, mtbench):
+    prompts = mtbench[:PADDED_CONCURRENT_PROMPTS]
+    expected = token_ids(plain_llm.generate(prompts, concurrent_params(len(prompts)), use_tqdm=False))
+    assert_same_tokens(expected, padded_run["concurrent"])
+    lookups, proposed, _ = _grown(padded_run, "batch1_metrics", "concurrent_metrics")
+    assert lookups > 0 and proposed == PADDED_SPEC["num_speculative_tokens"] * lookups
 
 
-def test_samples_from_plain_vllms_distribution(plain_samples, padded_llm):
-    before = _draft_tokens(collect_metrics(padded_llm))
-    got = sample(padded_llm, seed0=10_000)
-    lookups, proposed, found = (a - b for a, b in zip(_draft_tokens(collect_metrics(padded_llm)), before))
+def test_samples_from_plain_vllms_distribution(padded_run, plain_samples):
+    lookups, proposed, found = _grown(padded_run, "concurrent_metrics", "sample_metrics")
     assert proposed == PADDED_SPEC["num_speculative_tokens"] * lookups and found > 0
-    assert_same_distribution(plain_samples, got)
+    assert_same_distribution(plain_samples, padded_run["samples"])

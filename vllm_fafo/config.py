@@ -108,8 +108,9 @@ class FafoConfig:
     make draft-tree branches shorter (README "Text n-gram length")."""
     pad_drafts: bool = False
     """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
-    tokens (the text's last token repeated; verification stops at the first token the
-    target does not produce, so filler is lossless), so that each decode step gives
+    tokens (the draft's last token repeated, the text's where nothing was found;
+    verification stops at the first token the target does not produce, so filler is
+    lossless), so that each decode step gives
     every request the same number of tokens: the uniform batch that vLLM's V1 runner
     replays as one whole CUDA graph (a step with drafts of different lengths runs
     piecewise, attention launched layer by layer). Needs ``controller`` ``fixed`` and

@@ -39,6 +39,11 @@ def threads_bind() -> str:
     return "|".join(",".join(map(str, part)) for part in (cpus[:half], cpus[half:] or cpus[:half]))
 
 
+def bind_threads_to_all_cpus() -> None:
+    """One worker's OpenMP threads on every CPU of this process (unless set already)."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+
+
 def tp2(spec: dict | None) -> dict[str, Any]:
     """MT-Bench prompts at ``tensor_parallel_size=2`` (concurrent, different lengths;
     then two at batch 1), and every rank's proposer snapshot."""
@@ -61,7 +66,7 @@ def long16k(spec: dict | None) -> dict[str, Any]:
     """A 16k-token prompt (vllm_fafo.assets ``long16k``); for FAFO also its counters,
     the lane state bytes of every attention layer and vLLM's accepted tokens."""
     # One worker: all of this process's CPUs (vLLM's default binding keeps one back).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    bind_threads_to_all_cpus()
     from vllm_fafo.assets import load_prompts, smollm2_dir
     from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
 
@@ -88,7 +93,7 @@ WINDOWED_MAX_TOKENS = 160
 def windowed(spec: dict | None) -> dict[str, Any]:
     """MT-Bench prompts in one batch on SmolLM2 with every layer a ``WINDOW``-token
     sliding window; for FAFO also its counters and the window vLLM ran."""
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    bind_threads_to_all_cpus()
     from vllm_fafo.assets import load_prompts, smollm2_windowed_dir
     from vllm_fafo.metrics import collect_metrics
 
@@ -110,7 +115,7 @@ def padded(spec: dict | None) -> dict[str, Any]:
     """SmolLM2 with padded drafts (tests/test_padded_engine.py): MT-Bench prompts at batch
     1 and concurrent (:func:`~tests.engine_utils.concurrent_params`), then
     tests/test_sampling.py's samples; FAFO's counters after each."""
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    bind_threads_to_all_cpus()
     from vllm_fafo.assets import load_prompts, smollm2_dir
     from vllm_fafo.metrics import collect_metrics
 

@@ -110,11 +110,10 @@ class FafoConfig:
     """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
     tokens (the draft's last token repeated, the text's where nothing was found;
     verification stops at the first token the target does not produce, so filler is
-    lossless), so that each decode step gives
-    every request the same number of tokens: the uniform batch that vLLM's V1 runner
-    replays as one whole CUDA graph (a step with drafts of different lengths runs
-    piecewise, attention launched layer by layer). Needs ``controller`` ``fixed`` and
-    ``num_candidates`` 1 (README "Padded drafts")."""
+    lossless), so that each decode step gives every request the same number of tokens:
+    the uniform batch that vLLM's V1 runner replays as one whole CUDA graph (a step with
+    drafts of different lengths runs piecewise, attention launched layer by layer).
+    Needs ``controller`` ``fixed`` and ``num_candidates`` 1 (README "Padded drafts")."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 

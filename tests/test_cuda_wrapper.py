@@ -198,25 +198,39 @@ def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
     assert pool_only.attention_backend is None
 
 
-def test_lanes_are_off_on_cuda_unless_asked_for_by_name(model_dir, monkeypatch):
-    """Lanes force eager mode; on CUDA the default keeps vLLM's CUDA graphs (pool only)."""
+def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_dir, monkeypatch):
+    """Lanes force eager mode and drafts of varying length make steps vLLM runs piecewise:
+    on CUDA the default is pool only with padded 4-token drafts under the fixed controller;
+    keys set by the user keep their values, and so do the others' CPU defaults where the
+    user asks for lanes, a draft tree or the goodput controller."""
     from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
     from vllm_fafo.patches import engine_args
 
-    def translated(platform: str, spec: dict) -> EngineArgs:
+    def translated(platform: str, spec: dict) -> tuple[EngineArgs, dict]:
         if platform != "cpu":  # this machine's own platform otherwise
             monkeypatch.setattr(engine_args, "current_platform", fake_platform(platform))
         args = EngineArgs(model=model_dir, speculative_config=dict(spec))
         engine_args.translate_speculative_config(args)
-        return args
+        return args, args.additional_config[ADDITIONAL_CONFIG_KEY]
 
-    assert translated("cpu", {"method": "fafo"}).additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 16
-    default = translated("cuda", {"method": "fafo"})
-    assert default.additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 0
-    assert not default.enforce_eager and default.attention_backend is None
+    def knobs(fafo: dict) -> tuple:
+        return fafo["num_lanes"], fafo["controller"], fafo["num_speculative_tokens"], fafo["pad_drafts"]
+
+    assert knobs(translated("cpu", {"method": "fafo"})[1]) == (16, "goodput", 16, False)
+    args, fafo = translated("cuda", {"method": "fafo"})
+    assert knobs(fafo) == (0, "fixed", 4, True)
+    assert args.speculative_config["num_speculative_tokens"] == 4
+    assert not args.enforce_eager and args.attention_backend is None
+    assert knobs(translated("cuda", {"method": "fafo", "num_speculative_tokens": 8})[1]) == (0, "fixed", 8, True)
+    assert knobs(translated("cuda", {"method": "fafo", "num_lanes": 0})[1]) == (0, "fixed", 4, True)
+    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": False})[1]) == (0, "fixed", 4, False)
+    assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput"})[1]) == (0, "goodput", 16, False)
+    tree_args, tree = translated("cuda", {"method": "fafo", "num_candidates": 4})
+    assert knobs(tree) == (0, "goodput", 16, False) and tree_args.enforce_eager
     for spec in ({"method": "fafo", "num_lanes": 16}, {"method": "fafo", "num-lanes": 16}):
-        assert translated("cuda", spec).additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 16
-    assert translated("cuda", {"method": "lookahead"}).enforce_eager  # lanes are that mode
+        assert knobs(translated("cuda", spec)[1]) == (16, "goodput", 16, False)
+    lookahead_args, lookahead = translated("cuda", {"method": "lookahead"})
+    assert lookahead_args.enforce_eager and not lookahead["pad_drafts"]  # lanes are that mode
 
 
 @pytest.mark.parametrize(

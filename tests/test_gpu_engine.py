@@ -57,7 +57,7 @@ LANE_SPECS = {
     "quest": {"method": "fafo", "num_lanes": 16, "compression": "quest", "kv_budget": 64, "sink_tokens": 4,
               "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
-    "default": {"method": "fafo"},  # pool only: on CUDA lanes are off unless num_lanes is set
+    "default": {"method": "fafo"},  # on CUDA: pool only, padded 4-token drafts (patches/engine_args.py)
     # draft trees: branches through FlashAttention's own kernel (vllm_fafo/attention/cuda.py)
     "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "runner_up_tokens": 4, "controller": "fixed"},
 }
@@ -97,7 +97,8 @@ def test_lanes_run_on_the_flash_attention_wrapper(gpu_lanes_llm):
     config = gpu_lanes_llm.llm_engine.vllm_config
     backend = config.attention_config.backend
     if gpu_lanes_llm.fafo_case == "default":  # pool only: vLLM's own backend
-        assert config.additional_config[ADDITIONAL_CONFIG_KEY]["num_lanes"] == 0
+        fafo = config.additional_config[ADDITIONAL_CONFIG_KEY]
+        assert (fafo["num_lanes"], fafo["pad_drafts"], fafo["num_speculative_tokens"]) == (0, True, 4)
         assert backend is None or backend.name != "CUSTOM"
     else:
         assert backend.name == "CUSTOM"

@@ -24,10 +24,13 @@
 #             default fafo, 4 candidates + 4 runner-up tokens under the goodput
 #             controller, 4 candidates with 4-token text n-grams (text_ngram_len 4)
 #             under the controller and fixed
-#   bench_padded   padded drafts (pad_drafts: every request exactly num_speculative_tokens
-#             drafts, so decode steps are uniform batches that vLLM replays as whole CUDA
-#             graphs) on SmolLM2 (bf16, MT-Bench 32 x 128, batch 1 and 32): plain, default
-#             fafo, fixed fafo with 4 and 8 padded drafts
+#   bench_levers   the step-time and tau levers in one matrix on SmolLM2 (bf16, MT-Bench 32 x 128,
+#             batch 1 and 32), most telling first, so a stage cut by its limit (FAFO_STAGE_SECONDS)
+#             still answers: plain, default fafo (on CUDA 4 padded drafts, fixed controller),
+#             pool-only fafo under the goodput controller (drafts up to 16), a draft tree
+#             (4 candidates, 4-token text n-grams, goodput controller; eager), 8 padded drafts,
+#             plain on vLLM's V1 runner (fafo's runner: the identity reference at equal runner);
+#             every finished cell (token ids included) is packed into $OUT
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -140,16 +143,18 @@ bench_trees() {
     cp "$ROOT"/results/trees/summary.* "$OUT/trees/" 2>/dev/null || true
 }
 
-bench_padded() {
-    mkdir -p "$OUT/padded"
+bench_levers() {
+    mkdir -p "$OUT/levers"
     outside_checkout benchmarks
-    local fixed='"method":"fafo","num_lanes":0,"controller":"fixed"'
     timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
-        --methods none,fafo --method "pad4={$fixed,\"num_speculative_tokens\":4,\"pad_drafts\":true}" \
-        --method "pad8={$fixed,\"num_speculative_tokens\":8,\"pad_drafts\":true}" \
+        --methods none,fafo --method 'goodput={"method":"fafo","num_lanes":0,"controller":"goodput"}' \
+        --method 'tree4-ng4={"method":"fafo","num_lanes":0,"num_candidates":4,"text_ngram_len":4}' \
+        --method 'pad8={"method":"fafo","num_speculative_tokens":8}' \
+        --method 'none-v1={"method":"none","env":{"VLLM_USE_V2_MODEL_RUNNER":"0"}}' \
         --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,32}" --num-prompts 32 --max-tokens 128 \
-        --out "$ROOT/results/padded" || true
-    cp "$ROOT"/results/padded/summary.* "$OUT/padded/" 2>/dev/null || true
+        --out "$ROOT/results/levers" || true
+    cp "$ROOT"/results/levers/summary.* "$OUT/levers/" 2>/dev/null || true
+    (cd "$ROOT/results/levers" && tar -czf "$OUT/levers/cells.tar.gz" cells) || true
 }
 
 bench_cost() {  # ms per step against tail tokens on the Llama-3-8B shape (random weights)
@@ -180,9 +185,9 @@ for step in "$@"; do
         graphs_ab) graphs_ab ;;
         bench_smollm2) bench_smollm2 ;;
         bench_trees) bench_trees ;;
-        bench_padded) bench_padded ;;
+        bench_levers) bench_levers ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_padded bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_levers bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

@@ -17,6 +17,7 @@ wall clock: its choices, and so the host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
+    python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 
 def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
             seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS,
-            text_ngram_len: int = FafoConfig.text_ngram_len) -> dict:
+            text_ngram_len: int = FafoConfig.text_ngram_len,
+            num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``."""
-    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len)
+    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len,
+                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -120,13 +123,17 @@ def main() -> None:
     parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
     parser.add_argument("--text-ngram-len", type=int, default=FafoConfig.text_ngram_len,
                         help="length of the candidates filed from the text (0: num_speculative_tokens)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=FafoConfig.num_speculative_tokens)
+    parser.add_argument("--pad-drafts", action="store_true", help="pad_drafts (needs --controller fixed)")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
     args = parser.parse_args()
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, text source {args.text_source}, text n-grams {args.text_ngram_len or 'k'}, "
+          f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
           f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
-    options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len}
+    options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len,
+               "num_speculative_tokens": args.num_speculative_tokens, "pad_drafts": args.pad_drafts}
     measure(1, 128, 100, args.controller, args.text_source, **options)  # the process's first steps run slower
     print("| batch | history tokens | us per step | us per request-step | tau |")
     print("|---|---|---|---|---|")

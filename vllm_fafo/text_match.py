@@ -92,15 +92,21 @@ def keys_ending(tokens: np.ndarray, key_len: int, offset: int) -> list[tuple[int
     return [(offset + i + key_len - 1, tuple(values[i : i + key_len])) for i in range(len(values) - key_len + 1)]
 
 
-def match_depths(texts: list[np.ndarray], ends: list[int], context_reversed: np.ndarray) -> np.ndarray:
+def match_depths(texts: list[np.ndarray], ends: list[int], context_reversed: list[int]) -> list[int]:
     """For each (text, end): how many tokens back from ``end`` equal the context's
-    end (``context_reversed[0]`` is its last token)."""
+    end (``context_reversed[0]`` is its last token). One ``tolist`` per place and
+    Python ints: for the ~10 places of a lookup this costs half what a numpy
+    comparison matrix did (most matches end a few tokens past the key)."""
     depth = len(context_reversed)
-    back = np.zeros((len(ends), depth), dtype=np.int64) - 1
-    for row, (text, end) in enumerate(zip(texts, ends)):
-        piece = text[max(0, end - depth + 1) : end + 1][::-1]
-        back[row, : len(piece)] = piece
-    return np.cumprod(back == context_reversed, axis=1).sum(axis=1)
+    depths = []
+    for text, end in zip(texts, ends):
+        matched = 0
+        for token, wanted in zip(text[max(0, end - depth + 1) : end + 1][::-1].tolist(), context_reversed):
+            if token != wanted:
+                break
+            matched += 1
+        depths.append(matched)
+    return depths
 
 
 class TextDraft(NamedTuple):
@@ -219,9 +225,12 @@ class TextCache:
         if not places:
             return TextDraft([], 0)
         texts, ends = zip(*places)
-        depths = match_depths(list(texts), list(ends), np.asarray(context, dtype=np.int64)[::-1])
-        best = len(depths) - 1 - int(np.argmax(depths[::-1]))
+        depths = match_depths(list(texts), list(ends), np.asarray(context)[::-1].tolist())
+        best = 0
+        for place, found in enumerate(depths):  # the deepest, the latest place on ties
+            if found >= depths[best]:
+                best = place
         if depths[best] < self.key_len:  # an answer's key whose hash collided with this one
             return TextDraft([], 0)
         start = ends[best] + 1
-        return TextDraft(texts[best][start : start + max_spec_tokens].tolist(), int(depths[best]))
+        return TextDraft(texts[best][start : start + max_spec_tokens].tolist(), depths[best])

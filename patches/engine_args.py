@@ -15,8 +15,8 @@ the proposer's import path, and the FAFO settings ride to every worker in
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
+from typing import Any
 
 import torch
 from vllm import envs
@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm_fafo.compression import POLICIES
 from vllm_fafo.config import (
     ADDITIONAL_CONFIG_KEY,
+    METHOD,
     PROPOSER_CLASS_PATH,
     FafoConfig,
     FafoConfigError,
@@ -42,10 +43,9 @@ logger = init_logger(__name__)
 
 def translate_speculative_config(args: EngineArgs) -> None:
     """Rewrite ``args`` in place when its speculative config asks for FAFO."""
-    config = parse_speculative_config(args.speculative_config)
+    config = parse_speculative_config(with_cuda_defaults(args.speculative_config))
     if config is None:
         return
-    config = cuda_defaults(args.speculative_config, config)
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise FafoConfigError(
             f"speculative_config method {config.method!r} runs on vLLM's V1 model runner "
@@ -70,8 +70,10 @@ CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 4, "pad
 """What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (README "GPU levers")."""
 
 
-def cuda_defaults(raw: dict, config: FafoConfig) -> FafoConfig:
-    """On CUDA, ``{"method": "fafo"}`` runs pool-only with padded 4-token drafts.
+def with_cuda_defaults(raw: Any) -> Any:
+    """On CUDA, ``{"method": "fafo"}`` runs pool-only with padded 4-token drafts:
+    ``raw`` with the keys the user did not set added (before validation, so that
+    ``{"method": "fafo", "pad_drafts": true}`` is valid there as it is the default).
 
     Lanes need eager mode, which costs more than lanes earned in every GPU
     measurement so far (H100, SmolLM2 bf16, batch 1, 2026-11-23: 15.9 ms per
@@ -79,27 +81,25 @@ def cuda_defaults(raw: dict, config: FafoConfig) -> FafoConfig:
     varying length make steps that vLLM's V1 runner runs piecewise, padded ones
     the uniform batches it replays as whole CUDA graphs (H200, 2026-11-28: 4.1 ms
     per step against 10.8 under the goodput controller, tau 1.42 against 1.38).
-    Keys the user sets keep their values; asking for lanes, a draft tree or the
-    goodput controller keeps the CPU defaults of the others.
+    Asking for lanes, a draft tree or the goodput controller keeps the CPU
+    defaults of the other keys.
     """
-    if config.method != "fafo" or not current_platform.is_cuda():
-        return config
+    if not isinstance(raw, dict) or raw.get("method") != METHOD or not current_platform.is_cuda():
+        return raw
     asked = user_settings(raw)
-    defaults: dict = {"num_lanes": 0}
+    defaults: dict[str, Any] = {"num_lanes": 0}
     if (asked.get("num_lanes", 0) == 0 and asked.get("num_candidates", 1) == 1
             and asked.get("controller", "fixed") == "fixed"):
         defaults |= CUDA_PADDED_DEFAULTS
-    changes = {k: v for k, v in defaults.items() if k not in asked and getattr(config, k) != v}
-    if not changes:
-        return config
+    added = {key: value for key, value in defaults.items() if key not in asked}
+    if not added:
+        return raw
     logger.info(
         "vllm-fafo: CUDA defaults %s (lanes force eager mode; padded drafts keep every decode "
         "step a whole CUDA graph); set these keys to override",
-        ", ".join(f"{k}={v!r}" for k, v in changes.items()),
+        ", ".join(f"{key}={value!r}" for key, value in added.items()),
     )
-    config = dataclasses.replace(config, **changes)
-    config.validate()
-    return config
+    return {**raw, **added}
 
 
 def _make_room_for_tail(args: EngineArgs, config: FafoConfig, what: str) -> None:

@@ -224,6 +224,9 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
     assert knobs(translated("cuda", {"method": "fafo", "num_speculative_tokens": 8})[1]) == (0, "fixed", 8, True)
     assert knobs(translated("cuda", {"method": "fafo", "num_lanes": 0})[1]) == (0, "fixed", 4, True)
     assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": False})[1]) == (0, "fixed", 4, False)
+    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": True})[1]) == (0, "fixed", 4, True)
+    with pytest.raises(FafoConfigError, match="pad_drafts.*needs controller 'fixed'"):
+        translated("cuda", {"method": "fafo", "pad_drafts": True, "controller": "goodput"})
     assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput"})[1]) == (0, "goodput", 16, False)
     tree_args, tree = translated("cuda", {"method": "fafo", "num_candidates": 4})
     assert knobs(tree) == (0, "goodput", 16, False) and tree_args.enforce_eager

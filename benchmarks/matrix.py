@@ -584,6 +584,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="run each cell under cProfile (and torch's CUDA sync debug mode) and "
                              "write OUT/profiles/CELL.txt; timings then carry the profiler's overhead")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="run nothing: summarize the methods whose cells are all in OUT "
+                             "(a matrix cut by a time limit; run it where the cells ran: the "
+                             "summary names this machine)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.temperature < 0:
@@ -603,10 +607,17 @@ def main() -> None:
     if args.rounds > 1:
         run_rounds(args, methods, labels, child_args)
         return
-    for method in methods:
-        subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
-
     out = Path(args.out)
+    if args.summarize_only:
+        labels = [label for label in labels if all(
+            cell_path(out, label, d, b).exists()
+            for d in args.datasets.split(",") for b in _ints(args.batch_sizes))]
+        if not labels:
+            raise SystemExit(f"--summarize-only: no method has all its cells in {out / 'cells'}")
+    else:
+        for method in methods:
+            subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
+
     rows = summarize(args, labels)
     machine = machine_description()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -57,6 +57,13 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     subprocess.run(command, check=True, timeout=900, cwd=ROOT)
     assert cell.stat().st_mtime_ns == stamp
 
+    # A matrix cut by a time limit: --summarize-only runs nothing, summarizes what finished.
+    missing = out / "cells" / "ngram__mtbench__b1.json"
+    missing.unlink()
+    subprocess.run([*command, "--summarize-only"], check=True, timeout=300, cwd=ROOT)
+    assert {r["method"] for r in json.loads((out / "summary.json").read_text())["rows"]} == {"none", "fafo"}
+    assert not missing.exists() and cell.stat().st_mtime_ns == stamp
+
 
 def test_selection_cost_command_runs():
     command = [

@@ -74,8 +74,9 @@ class NgramPool:
         self._table: dict[Candidate, dict[Candidate, Origin]] = OrderedDict() if max_keys else {}
         """Key -> its candidates, least recently used first (a dict keeps insertion order,
         and a new one costs less than an OrderedDict: the pool makes one per new key).
-        Keys are kept in recency order only where ``max_keys`` evicts by it; unbounded,
-        the table is a plain dict in first-filed order, which files keys twice as fast."""
+        Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
+        it; unbounded, a plain dict in first-filed order, with no move per key filed or
+        looked up (README, "FAFO's lanes", the proposer's host time)."""
 
     def __len__(self) -> int:
         """Number of keys held."""

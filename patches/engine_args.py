@@ -67,7 +67,7 @@ def translate_speculative_config(args: EngineArgs) -> None:
 
 
 CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 4, "pad_drafts": True}
-"""What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (README "GPU levers")."""
+"""What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (docs/results.md "GPU levers")."""
 
 
 def with_cuda_defaults(raw: Any) -> Any:
@@ -77,7 +77,7 @@ def with_cuda_defaults(raw: Any) -> Any:
 
     Lanes need eager mode, which costs more than lanes earned in every GPU
     measurement so far (H100, SmolLM2 bf16, batch 1, 2026-11-23: 15.9 ms per
-    step with lanes against 4.6 ms pool-only; README "GPU figures"). Drafts of
+    step with lanes against 4.6 ms pool-only; docs/results.md "GPU figures"). Drafts of
     varying length make steps that vLLM's V1 runner runs piecewise, padded ones
     the uniform batches it replays as whole CUDA graphs (H200, 2026-11-28: 4.1 ms
     per step against 10.8 under the goodput controller, tau 1.42 against 1.38).

@@ -43,7 +43,7 @@ class FafoConfig:
     num_speculative_tokens: int = 16
     """Longest draft proposed per step (the candidate n-gram length k). Long because
     the goodput controller cuts each draft where its tokens stop paying, and a found
-    continuation is often right for many tokens (code, quoted text; README "Draft length")."""
+    continuation is often right for many tokens (code, quoted text; docs/results.md "Draft length")."""
     max_key_len: int = 4
     """K: the longest suffix of the decoded text used as a pool key."""
     pool_capacity: int = 8

@@ -4,7 +4,7 @@ The goodput controller learns per draft position and matched key length how
 often a draft token is accepted. Learned from the verified drafts alone, a
 draft it cut teaches nothing past the cut: after a stretch of early
 rejections the rates fall, the controller cuts every draft to nothing, and
-nothing drafted is nothing learned (README, "Why: the controller's draft
+nothing drafted is nothing learned (docs/results.md, "Why: the controller's draft
 yields, replayed at batch 1 and 8"). Judged against the request's own text
 instead, every found draft teaches every one of its positions, whatever the
 controller kept of it.

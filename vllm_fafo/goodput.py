@@ -85,7 +85,7 @@ The estimate prices a token by what it yields in this step. A draft's tail found
 under a short match is paid for by every draft that breaks early; where its first
 tokens are accepted instead, the next step finds the continuation under a match
 that much deeper, where the evidence for the rest is stronger. Replayed over
-plain vLLM's outputs (README, "Drafts grow with their match"), 2 with a quarter
+plain vLLM's outputs (docs/results.md, "Drafts grow with their match"), 2 with a quarter
 of the worth came within 0.3 % of the better of no discount and a hard cut at 2
 in every cell at CPU-like token prices (up to 4.7 % above no discount), and lost
 nothing where tokens are nearly free, where the hard cut lost up to 2.2 % (a
@@ -98,7 +98,7 @@ matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 LANE_YIELD_UNSEEN = 0.05
 """Accepted lane-n-gram tokens per lane token a probe is judged by before any lane ran:
 six to seven times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
-and HumanEval: 0.007-0.008 on top of the uncut drafts; README, "Lane probes before any
+and HumanEval: 0.007-0.008 on top of the uncut drafts; docs/results.md, "Lane probes before any
 lane ran"). Where lane tokens cost next to nothing (a GPU below its knee) lanes could
 pay at that yield and are probed when first due; where every lane token costs a share
 of the step (the 2-core CPU: about 1.1 ms per lane token against 53 ms for a
@@ -215,7 +215,7 @@ class YieldEstimates:
     draft_decay: float = 0.999
     """Per judged draft, for the draft yields (a batch of n drafts decays them by
     draft_decay ** n). 0.9995 (2,000 drafts) once kept drafts off for good after one
-    bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (README, "Draft
+    bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (docs/results.md, "Draft
     yields kept per verified draft")."""
     lane_prior_tokens: float = 96.0
     """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
@@ -376,7 +376,7 @@ def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
     Python floats took 60); per block, because B shrinks by up to a factor
     trials + weight per position and must not underflow. (numba is not an option:
     importing it before vLLM 0.32.0's CPU worker starts breaks that worker's kernel
-    registration: README, "FAFO's lanes", the proposer's host time.)"""
+    registration: docs/results.md, "FAFO's lanes", the proposer's host time.)"""
     trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
     if trials.shape[1] > _CLOSED_FORM_BLOCK:
         head = _continuation(trials[:, :_CLOSED_FORM_BLOCK], hits[:, :_CLOSED_FORM_BLOCK], first_prior, weight)

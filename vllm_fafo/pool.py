@@ -76,7 +76,7 @@ class NgramPool:
         and a new one costs less than an OrderedDict: the pool makes one per new key).
         Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
         it; unbounded, a plain dict in first-filed order, with no move per key filed or
-        looked up (README, "FAFO's lanes", the proposer's host time)."""
+        looked up (docs/results.md, "FAFO's lanes", the proposer's host time)."""
 
     def __len__(self) -> int:
         """Number of keys held."""

@@ -18,11 +18,18 @@ wall clock: its choices, and so the host time measured, repeat run to run.
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
     python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
+
+``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
+freezes its start-up heap, so that the garbage collector's full collections walk
+only what the proposer made since, and reports them: how many ran during the
+steps, their pauses, the slowest step, and the objects still tracked after the
+steps (docs/results.md "Garbage collector pauses").
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from types import SimpleNamespace
 
@@ -72,14 +79,19 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
             seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS,
             text_ngram_len: int = FafoConfig.text_ngram_len,
-            num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False) -> dict:
+            num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
+            gc_pauses: bool = False) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
-    with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``."""
+    with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
+    ``gc_pauses``, the full garbage collections during the steps too."""
     config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len,
                         num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
+    if gc_pauses:
+        gc.collect()
+        gc.freeze()
     proposer = make_proposer(config, max_len)
     clock = proposer.clock = ModelledClock()
     req_ids = [f"r{i}" for i in range(batch)]
@@ -89,7 +101,8 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
     proposer.finish_forward(req_ids, None)
     drafts = proposer.propose([[int(row[history_len - 1])] for row in rows], num_tokens, rows)
     decoded = 0
-    elapsed = 0.0
+    elapsed = slowest = 0.0
+    collections = _FullCollections() if gc_pauses else None
     for _ in range(steps):
         sampled = []
         for i, draft in enumerate(drafts):
@@ -106,12 +119,42 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
         proposer.finish_forward(req_ids, None)
         clock.now += step_seconds(cost_ms, sum(map(len, drafts)), batch)
         drafts = proposer.propose(sampled, num_tokens, rows)
-        elapsed += time.perf_counter() - start
-    return {
+        step = time.perf_counter() - start
+        elapsed += step
+        slowest = max(slowest, step)
+    result = {
         "us_per_step": elapsed / steps * 1e6,
         "us_per_request_step": elapsed / steps / batch * 1e6,
         "tau": decoded / (steps * batch),
+        "slowest_step_ms": slowest * 1e3,
     }
+    if collections is not None:
+        collections.stop()
+        result |= {"full_collections": len(collections.pauses), "longest_pause_ms": max(collections.pauses, default=0.0),
+                   "tracked_objects": len(gc.get_objects())}
+        del proposer
+        gc.unfreeze()
+    return result
+
+
+class _FullCollections:
+    """The pauses (ms) of the garbage collector's full collections while it listens."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._started = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((time.perf_counter() - self._started) * 1e3)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_collection)
 
 
 def main() -> None:
@@ -125,6 +168,8 @@ def main() -> None:
                         help="length of the candidates filed from the text (0: num_speculative_tokens)")
     parser.add_argument("--num-speculative-tokens", type=int, default=FafoConfig.num_speculative_tokens)
     parser.add_argument("--pad-drafts", action="store_true", help="pad_drafts (needs --controller fixed)")
+    parser.add_argument("--gc-pauses", action="store_true",
+                        help="freeze the heap first (as vLLM does) and report the full garbage collections")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
     args = parser.parse_args()
@@ -135,13 +180,17 @@ def main() -> None:
     options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len,
                "num_speculative_tokens": args.num_speculative_tokens, "pad_drafts": args.pad_drafts}
     measure(1, 128, 100, args.controller, args.text_source, **options)  # the process's first steps run slower
-    print("| batch | history tokens | us per step | us per request-step | tau |")
-    print("|---|---|---|---|---|")
+    gc_columns = " full collections | longest pause ms | tracked objects after |" if args.gc_pauses else ""
+    print(f"| batch | history tokens | us per step | us per request-step | tau | slowest step ms |{gc_columns}")
+    print("|---" * (6 + 3 * args.gc_pauses) + "|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
-            result = measure(batch, length, args.steps, args.controller, args.text_source, **options)
+            result = measure(batch, length, args.steps, args.controller, args.text_source, gc_pauses=args.gc_pauses,
+                             **options)
+            gc_cells = (f" {result['full_collections']} | {result['longest_pause_ms']:.1f} | {result['tracked_objects']} |"
+                        if args.gc_pauses else "")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
-                  f"| {result['tau']:.2f} |")
+                  f"| {result['tau']:.2f} | {result['slowest_step_ms']:.1f} |{gc_cells}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ The same class, configured, is the pool of every method the plugin runs:
 from __future__ import annotations
 
 import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from enum import Enum
@@ -41,6 +42,28 @@ class Origin(str, Enum):
 
 
 Candidate = tuple[int, ...]
+
+_ORIGINS = tuple(Origin)
+_ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
+_TOKEN_BYTES = 4
+
+
+def _packed(tokens: Sequence[int]) -> bytes:
+    """Tokens as the pool keeps them, keys and candidates alike: 32-bit ints in a
+    bytes object (the last ``n`` tokens of a packed key are its last ``4 n`` bytes).
+
+    Why not tuples: the pool holds one dict of candidates per key (a 1,024-token
+    prompt files 4,096 keys), and CPython's garbage collector tracks a dict that
+    holds a freshly made tuple (or an enum member) until a *full* collection
+    untracks it, so those dicts piled up on the collector's lists and every full
+    collection walked them all: pauses of up to 0.43 s at 32 requests x 1,024 tokens
+    (docs/results.md "Garbage collector pauses"). A dict of bytes and ints is
+    never tracked, nor walked. Origins are kept as plain ints for the same reason."""
+    return array("i", tokens).tobytes()
+
+
+def _unpacked(packed: bytes) -> Candidate:
+    return tuple(array("i", packed))
 
 
 class Match(NamedTuple):
@@ -71,9 +94,10 @@ class NgramPool:
         self.capacity = capacity
         self.max_keys = max_keys  # 0: unbounded
         self.touch_on_lookup = touch_on_lookup
-        self._table: dict[Candidate, dict[Candidate, Origin]] = OrderedDict() if max_keys else {}
-        """Key -> its candidates, least recently used first (a dict keeps insertion order,
-        and a new one costs less than an OrderedDict: the pool makes one per new key).
+        self._table: dict[bytes, dict[bytes, int]] = OrderedDict() if max_keys else {}
+        """Key -> its candidates and their origins' codes (:func:`_packed`), least
+        recently used first (a dict keeps insertion order, and a new one costs less than
+        an OrderedDict: the pool makes one per new key).
         Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
         it; unbounded, a plain dict in first-filed order, with no move per key filed or
         looked up (docs/results.md, "FAFO's lanes", the proposer's host time)."""
@@ -92,13 +116,13 @@ class NgramPool:
         if not candidate:
             return
         longest = min(self.max_key_len, len(context))
-        suffix = tuple(context[len(context) - longest :])
-        table, max_keys = self._table, self.max_keys
+        suffix = _packed(context[len(context) - longest :])
+        table, max_keys, code, candidate = self._table, self.max_keys, _ORIGIN_CODE[origin], _packed(candidate)
         for key_len in range(self.min_key_len, longest + 1):
-            key = suffix[longest - key_len :]
+            key = suffix[(longest - key_len) * _TOKEN_BYTES :]
             entries = table.get(key)
             if entries is None:
-                table[key] = {candidate: origin}
+                table[key] = {candidate: code}
                 if max_keys and len(table) > max_keys:
                     table.popitem(last=False)
                 continue
@@ -106,7 +130,7 @@ class NgramPool:
                 table.move_to_end(key)
             if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
                 del entries[next(iter(entries))]  # the least recently used
-            entries[candidate] = origin  # (re)inserted last: the most recently used
+            entries[candidate] = code  # (re)inserted last: the most recently used
 
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """Most recently used candidate under the longest matching suffix, and its origin."""
@@ -121,18 +145,21 @@ class NgramPool:
         """
         return match_pools((self,), context)
 
-    def newest(self, key: Candidate) -> tuple[Candidate, Origin] | None:
+    def newest(self, key: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """The most recently used candidate under exactly ``key`` (refreshing as
         :meth:`match` says), or None."""
+        return self._newest(_packed(key))
+
+    def _newest(self, key: bytes) -> tuple[Candidate, Origin] | None:
         entries = self._table.get(key)
         if not entries:
             return None
         if self.max_keys:
             self._table.move_to_end(key)
-        candidate, origin = next(reversed(entries.items()))
+        candidate, code = next(reversed(entries.items()))
         if self.touch_on_lookup:
             entries[candidate] = entries.pop(candidate)
-        return candidate, origin
+        return _unpacked(candidate), _ORIGINS[code]
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
         """Every candidate under the suffixes of ``context``, longest key first,
@@ -140,9 +167,9 @@ class NgramPool:
         (the draft tree's branches, :mod:`vllm_fafo.tree`)."""
         return alternatives_in((self,), context)
 
-    def entries_under(self, key: Candidate) -> Iterator[Candidate]:
+    def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
         """Candidates under exactly ``key``, most recently used first; recency untouched."""
-        return reversed(self._table.get(key) or ())
+        return map(_unpacked, reversed(self._table.get(_packed(key)) or ()))
 
     def num_entries(self) -> int:
         """Candidates held under all keys (a candidate under several keys counts
@@ -151,8 +178,8 @@ class NgramPool:
 
     def nbytes(self, counted: set[int] | None = None) -> int:
         """Bytes of the table, its keys and its candidates (``sys.getsizeof``; a
-        candidate tuple filed under several keys, ids in ``counted``, is counted once;
-        token ints are not). Walks everything: for reports, not for the step."""
+        candidate filed under several keys, ids in ``counted``, is counted once).
+        Walks everything: for reports, not for the step."""
         counted = set() if counted is None else counted
         total = sys.getsizeof(self._table)
         for key, entries in self._table.items():
@@ -168,11 +195,11 @@ class NgramPool:
 
     def candidates(self, key: Sequence[int]) -> list[Candidate]:
         """Candidates under exactly ``key``, least recently used first."""
-        return list(self._table.get(tuple(key), ()))
+        return list(map(_unpacked, self._table.get(_packed(key), ())))
 
     def keys(self) -> list[Candidate]:
         """Keys, least recently used first (first filed first where ``max_keys`` is 0)."""
-        return list(self._table)
+        return list(map(_unpacked, self._table))
 
 
 def match_pools(pools: Sequence[NgramPool], context: Sequence[int]) -> Match | None:
@@ -182,10 +209,11 @@ def match_pools(pools: Sequence[NgramPool], context: Sequence[int]) -> Match | N
     :attr:`Origin.SHARED`. All pools must use the same key lengths."""
     first = pools[0]
     longest = min(first.max_key_len, len(context))
+    suffix = _packed(context[len(context) - longest :])
     for key_len in range(longest, first.min_key_len - 1, -1):
-        key = tuple(context[len(context) - key_len :])
+        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
         for index, pool in enumerate(pools):
-            found = pool.newest(key)
+            found = pool._newest(key)
             if found is not None:
                 return Match(found[0], found[1] if index == 0 else Origin.SHARED, key_len)
     return None

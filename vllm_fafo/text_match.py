@@ -49,8 +49,10 @@ class TextIndex:
         self.key_len = key_len
         self._text = np.zeros(max(64, 2 * len(tokens)), dtype=np.int32)
         self._len = 0
-        self._ends: dict[tuple[int, ...], list[int]] | None = {}
-        """Key -> the latest positions of its last token, oldest first (None: frozen)."""
+        self._ends: dict[tuple[int, ...], tuple[int, ...]] | None = {}
+        """Key -> the latest positions of its last token, oldest first (None: frozen).
+        Tuples, not lists: a tuple of ints is untracked by the garbage collector after
+        one collection, a list never is (:func:`vllm_fafo.pool._packed` says why it matters)."""
         self.extend(tokens)
 
     @property
@@ -71,15 +73,13 @@ class TextIndex:
         self._text[start : self._len] = tokens
         first = max(0, start - self.key_len)  # keys ending at start - 1 got their following token now
         keys = keys_ending(self._text[first : self._len - 1], self.key_len, first)
+        all_ends = self._ends
         for end, key in keys:
-            ends = self._ends.setdefault(key, [])
-            ends.append(end)
-            if len(ends) > MAX_POSITIONS:
-                del ends[0]
+            all_ends[key] = (*all_ends.get(key, ())[1 - MAX_POSITIONS :], end)
         return keys
 
-    def ends_of(self, key: tuple[int, ...]) -> list[int]:
-        return [] if self._ends is None else self._ends.get(key, [])
+    def ends_of(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return () if self._ends is None else self._ends.get(key, ())
 
     def freeze(self) -> None:
         """Keep the text, drop the key index (an answer is found through its cache's)."""
@@ -149,9 +149,10 @@ class TextCache:
         self._answers: dict[str, _Answer] = {}
         self._numbered: dict[int, str] = {}
         self._next_number = 0
-        self._answer_places: dict[int, int | list[int]] = {}
+        self._answer_places: dict[int, int | tuple[int, ...]] = {}
         """Hash of a key -> the latest places (answer number << 32 | position of the
-        key's last token) it ended at in the answers, oldest first."""
+        key's last token) it ended at in the answers, oldest first (a tuple: untracked
+        by the garbage collector, as :class:`TextIndex`'s)."""
 
     @property
     def cached_requests(self) -> dict[str, _Answer]:
@@ -178,11 +179,9 @@ class TextCache:
             if held is None:
                 places[key_hash] = place
             elif isinstance(held, int):
-                places[key_hash] = [held, place]
+                places[key_hash] = (held, place)
             else:
-                held.append(place)
-                if len(held) > MAX_POSITIONS:
-                    del held[0]
+                places[key_hash] = (*held[1 - MAX_POSITIONS :], place)
 
     def stop_request(self, req_id: str) -> None:
         self._running.pop(req_id).freeze()
@@ -202,8 +201,10 @@ class TextCache:
                 if held >> 32 == number:
                     del places[key_hash]
             elif held is not None:
-                held[:] = [place for place in held if place >> 32 != number]
-                if not held:
+                kept = tuple(place for place in held if place >> 32 != number)
+                if kept:
+                    places[key_hash] = kept
+                else:
                     del places[key_hash]
 
     def num_keys(self) -> int:

@@ -86,7 +86,7 @@ def test_branch_attention_cost_command_runs_and_its_three_ways_agree():
 def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     command = [
         sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"),
-        "--batch-sizes", "1,4", "--history", "256", "--steps", "50",
+        "--batch-sizes", "1,4", "--history", "256", "--steps", "50", "--gc-pauses",
     ]
     result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
@@ -94,6 +94,9 @@ def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     for row in rows:
         assert float(row[3]) > 0
         assert float(row[4]) > 1.0  # the repetitive text gives the pool drafts that are accepted
+        # --gc-pauses: the slowest step, full collections, their longest pause, tracked objects after
+        assert float(row[5]) > 0 and int(row[6]) >= 0 and float(row[7]) >= 0
+        assert int(row[8]) < 2000  # the proposer's state is not on the collector's lists (tests/test_gc_tracking.py)
 
 
 def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):

@@ -2,8 +2,8 @@
 
 A vLLM engine freezes its start-up heap, so a full collection walks only what
 was made since, and the pools and text indexes are most of that: with one tracked
-dict (or list) per key, full collections were triggered by them and took
-50-460 ms at 32 requests x 1,024 tokens (docs/results.md "Garbage collector
+dict (or list) per key, full collections were triggered by them and paused
+the step for up to 0.43 s at 32 requests x 1,024 tokens (docs/results.md "Garbage collector
 pauses"). These tests count what a collection leaves tracked after thousands of
 n-grams; each fails on the per-key dicts of enum members and tuples, and lists,
 that the pool and the text index held before."""

@@ -45,7 +45,7 @@ Candidate = tuple[int, ...]
 
 _ORIGINS = tuple(Origin)
 _ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
-_TOKEN_BYTES = 4
+_TOKEN_BYTES = array("i").itemsize
 
 
 def _packed(tokens: Sequence[int]) -> bytes:
@@ -58,7 +58,7 @@ def _packed(tokens: Sequence[int]) -> bytes:
     untracks it, so those dicts piled up on the collector's lists and every full
     collection walked them all: pauses of up to 0.43 s at 32 requests x 1,024 tokens
     (docs/results.md "Garbage collector pauses"). A dict of bytes and ints is
-    never tracked, nor walked. Origins are kept as plain ints for the same reason."""
+    never tracked. Origins are kept as plain ints for the same reason."""
     return array("i", tokens).tobytes()
 
 
@@ -113,11 +113,11 @@ class NgramPool:
         ``context`` only needs its last K tokens; callers pass a short slice.
         Re-adding a known candidate refreshes its recency and origin.
         """
-        if not candidate:
-            return
-        longest = min(self.max_key_len, len(context))
-        suffix = _packed(context[len(context) - longest :])
-        table, max_keys, code, candidate = self._table, self.max_keys, _ORIGIN_CODE[origin], _packed(candidate)
+        add_to_pools((self,), context, candidate, origin)
+
+    def _file(self, suffix: bytes, longest: int, candidate: bytes, code: int) -> None:
+        """:meth:`add` of a packed candidate under the packed ``longest``-token suffix."""
+        table, max_keys = self._table, self.max_keys
         for key_len in range(self.min_key_len, longest + 1):
             key = suffix[(longest - key_len) * _TOKEN_BYTES :]
             entries = table.get(key)
@@ -169,7 +169,10 @@ class NgramPool:
 
     def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
         """Candidates under exactly ``key``, most recently used first; recency untouched."""
-        return map(_unpacked, reversed(self._table.get(_packed(key)) or ()))
+        return self._entries(_packed(key))
+
+    def _entries(self, key: bytes) -> Iterator[Candidate]:
+        return map(_unpacked, reversed(self._table.get(key) or ()))
 
     def num_entries(self) -> int:
         """Candidates held under all keys (a candidate under several keys counts
@@ -202,6 +205,17 @@ class NgramPool:
         return list(map(_unpacked, self._table))
 
 
+def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
+    """:meth:`NgramPool.add` into every pool, the tokens packed once for all of them.
+    All pools must use the same key lengths."""
+    if not candidate:
+        return
+    longest = min(pools[0].max_key_len, len(context))
+    suffix, packed, code = _packed(context[len(context) - longest :]), _packed(candidate), _ORIGIN_CODE[origin]
+    for pool in pools:
+        pool._file(suffix, longest, packed, code)
+
+
 def match_pools(pools: Sequence[NgramPool], context: Sequence[int]) -> Match | None:
     """The longest suffix of ``context`` any pool holds a candidate under; under
     one key the first pool that has one wins (a request's own pool before the
@@ -225,10 +239,11 @@ def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Itera
     seen: set[Candidate] = set()
     first = pools[0]
     longest = min(first.max_key_len, len(context))
+    suffix = _packed(context[len(context) - longest :])
     for key_len in range(longest, first.min_key_len - 1, -1):
-        key = tuple(context[len(context) - key_len :])
+        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
         for pool in pools:
-            for candidate in pool.entries_under(key):
+            for candidate in pool._entries(key):
                 if candidate not in seen:
                     seen.add(candidate)
                     yield candidate

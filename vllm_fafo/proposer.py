@@ -52,7 +52,7 @@ from vllm_fafo.goodput import BranchSet, StepOutcome, make_controller
 from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.metrics_export import SnapshotPublisher
-from vllm_fafo.pool import Match, NgramPool, Origin, match_pools
+from vllm_fafo.pool import Match, NgramPool, Origin, add_to_pools, match_pools
 from vllm_fafo.runner_up import RunnerUpTable, RunnerUpTables
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
@@ -168,8 +168,7 @@ def file_ngrams(
         candidate = tuple(history[end : end + ngram_len])
         context = history[max(0, end - max_key_len) : end]
         origin = Origin.PROMPT if anchor + ngram_len < prompt_len else Origin.OUTPUT
-        for pool in pools:
-            pool.add(context, candidate, origin)
+        add_to_pools(pools, context, candidate, origin)
 
 
 def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.ndarray, next_anchor: int,
@@ -572,8 +571,7 @@ class FafoProposer:
         for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
             pools = self._requests[req_id].pools
             for context, ngram in ngrams:
-                for pool in pools:
-                    pool.add(context, ngram, Origin.LANE)
+                add_to_pools(pools, context, ngram, Origin.LANE)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""

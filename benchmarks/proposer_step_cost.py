@@ -8,7 +8,9 @@ texts repeat themselves the way real text does (spans copied from earlier in
 the text between random tokens), so the pool finds drafts and some are
 accepted: each step a request's sampled tokens are the text's next tokens,
 its draft's matching prefix plus one. Reports microseconds per step and per
-request-step, and the tau that the drafts would have given.
+request-step, and the tau that the drafts would have given. With no model to
+build one from, the prior table (drafted from where the pools miss) holds random
+continuations: its lookups cost what a real table's do.
 
 The goodput controller sizes drafts by what steps cost, so the steps here are
 timed on a modelled machine (``--cost-ms``, as in replay_pool.py: a forward of
@@ -37,6 +39,7 @@ import numpy as np
 from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.prior_table import DEFAULT_WIDTH, PriorTable
 from vllm_fafo.proposer import FafoProposer
 from vllm_fafo.suffix_tree import TEXT_SOURCES
 
@@ -54,7 +57,11 @@ class ModelledClock:
         return self.now
 
 
-def repetitive_text(length: int, rng: np.random.Generator, vocab: int = 5000, copy_rate: float = 0.5) -> np.ndarray:
+VOCAB = 5000
+"""Tokens the texts are made of."""
+
+
+def repetitive_text(length: int, rng: np.random.Generator, vocab: int = VOCAB, copy_rate: float = 0.5) -> np.ndarray:
     """Tokens where about ``copy_rate`` of the text repeats a span of 4..32 earlier tokens."""
     text = list(rng.integers(0, vocab, size=8))
     while len(text) < length:
@@ -85,7 +92,7 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too."""
     config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len,
-                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts)
+                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts, prior_table="off")
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -93,6 +100,8 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
         gc.collect()
         gc.freeze()
     proposer = make_proposer(config, max_len)
+    # No model here: a prior table of random continuations (a lookup costs the same).
+    proposer.fallbacks = (PriorTable(rng.integers(0, VOCAB, size=(VOCAB, DEFAULT_WIDTH), dtype=np.int32)),)
     clock = proposer.clock = ModelledClock()
     req_ids = [f"r{i}" for i in range(batch)]
     num_tokens = np.full(batch, history_len, dtype=np.int32)

@@ -32,7 +32,9 @@ finishes; every running request drafts each forward, and the controller sizes
 the batch's drafts together, as in the engine's batch-B cells). With several
 batch sizes one controller per setting runs through them in order, as a
 matrix run's engine does (its batch-8 cells start with what the batch-1 ones
-taught it). Lanes and the frozen table are not replayed.
+taught it). Lanes and the frozen table are not replayed; the prior table is,
+as the setting's ``prior_table`` names it for the SmolLM2 build (``auto``: the
+one ``vllm-fafo-prior-table`` built into the cache, if any).
 
 With ``"num_candidates"`` > 1 in a setting, each draft is the spine of a draft
 tree whose branches grow as the engine grows them (``grow_branches``: the
@@ -66,6 +68,8 @@ from vllm_fafo.config import FafoConfig
 from vllm_fafo.draft_judge import DraftJudge
 from vllm_fafo.goodput import GoodputController, StepOutcome
 from vllm_fafo.pool import alternatives_in
+from vllm_fafo.prior_table import PriorTable
+from vllm_fafo.prior_table import resolve as resolve_prior_table
 from vllm_fafo.proposer import (
     file_new_ngrams,
     first_anchor,
@@ -142,7 +146,8 @@ def new_controller(config: FafoConfig) -> GoodputController:
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
            cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1,
            controller: GoodputController | None = None, oracle: bool = False,
-           top_tokens: Sequence[np.ndarray] | None = None, vocab_size: int = 0) -> dict[str, float]:
+           top_tokens: Sequence[np.ndarray] | None = None, vocab_size: int = 0,
+           prior: PriorTable | None = None) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
     (:func:`scheduled`).
@@ -161,7 +166,10 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
 
     ``top_tokens``: per request, the target's top next tokens at each position of
     prompt + output (:func:`target_top_tokens`, at least ``runner_up_tokens`` wide),
-    over a vocabulary of ``vocab_size``; needed where ``runner_up_tokens`` > 0."""
+    over a vocabulary of ``vocab_size``; needed where ``runner_up_tokens`` > 0.
+
+    ``prior``: the prior table drafted from where the pools miss, as the engine's
+    proposer does (:func:`prior_table`)."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
     trees = suffix_trees(config)
@@ -185,6 +193,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         top_tokens = [np.ascontiguousarray(top[:, : config.runner_up_tokens]) for top in top_tokens]
         # one table per tenant (every replayed request is unsalted), or per request without sharing
         runner_ups = RunnerUpTable(vocab_size, config.runner_up_tokens) if config.share_pool else None
+    fallbacks = () if prior is None else (prior,)
     judge = DraftJudge(k)
     forwards = tokens = drafted = branch_tokens = accepted_off_spine = 0
     seconds = 0.0
@@ -214,7 +223,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             request.file_runner_ups()
             context = key_context(request.history, request.num_tokens, max_key_len)
             contexts.append(context)
-            draft, _, key_len = request_draft(trees, request.pools, None, request.runner_ups, request.req_id,
+            draft, _, key_len = request_draft(trees, request.pools, fallbacks, request.runner_ups, request.req_id,
                                               request.history, request.num_tokens, context, k)
             if oracle:
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
@@ -351,6 +360,16 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
     return result
 
 
+def prior_table(config: FafoConfig) -> PriorTable | None:
+    """The prior table the engine's proposer would use for ``config`` with the SmolLM2 build."""
+    from transformers import AutoConfig
+
+    from vllm_fafo.assets import smollm2_dir
+
+    model = str(smollm2_dir())
+    return resolve_prior_table(config.prior_table, model, AutoConfig.from_pretrained(model).vocab_size)
+
+
 def load_requests(cells: Path, dataset: str) -> list[tuple[list[int], list[int]]]:
     """The prompts (token ids, as the engine saw them) and plain vLLM's outputs of a
     matrix run's batch-1 ``none`` cell."""
@@ -454,13 +473,14 @@ def main() -> None:
             row("vLLM suffix (its own cuts)", batch_size, replay_vllm_suffix(requests, cost_ms, batch_size))
     for label, config in settings:
         controller = None if cost_ms is None else new_controller(config)
+        prior = prior_table(config)
         for batch_size in batch_sizes:
             row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller,
-                                          top_tokens=top_tokens, vocab_size=vocab_size))
+                                          top_tokens=top_tokens, vocab_size=vocab_size, prior=prior))
             if args.oracle:
                 row(f"{label}, best candidate at hand", batch_size, replay(config, requests, batch_size=batch_size,
                                                                            oracle=True, top_tokens=top_tokens,
-                                                                           vocab_size=vocab_size))
+                                                                           vocab_size=vocab_size, prior=prior))
 
 
 if __name__ == "__main__":

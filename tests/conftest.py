@@ -23,8 +23,11 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from vllm_fafo.assets import smollm2_dir
+    """SmolLM2, with its prior table built (scripts/install_cpu.sh builds it; else here,
+    once), so that every engine left at ``"prior_table": "auto"`` drafts from it."""
+    from vllm_fafo.assets import smollm2_dir, smollm2_prior_table
 
+    smollm2_prior_table()
     return str(smollm2_dir())
 
 
@@ -130,10 +133,11 @@ def tree_llm(model_dir):
 
 
 RUNNER_UP_SPEC = {"method": "fafo", "num_lanes": 0, "seed_from_prompt": False, "runner_up_tokens": 4,
-                  "num_candidates": 4, "num_speculative_tokens": 8, "controller": "fixed"}
+                  "num_candidates": 4, "num_speculative_tokens": 8, "controller": "fixed", "prior_table": "off"}
 """The target's runner-up tokens as a draft source: the prompt is not filed in the pool,
 so early drafts come from the runner-up table (spines where the pool has nothing, and
-branches at the current token); a tree, every branch run."""
+branches at the current token); a tree, every branch run. No prior table: it would
+draft where the pool has nothing, before the runner-up chain."""
 
 
 @pytest.fixture(scope="session")

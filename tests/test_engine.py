@@ -49,6 +49,7 @@ def test_batch1_identical_to_plain_and_drafts_accepted(
     metrics = collect_metrics(fafo_llm)
     assert metrics["pool_hits"] > 0
     assert sum(metrics["accepted_tokens"].values()) > 0
+    assert metrics["accepted_tokens"]["prior"] > 0  # the prior table drafted where the text had nothing
 
 
 def test_concurrent_requests_identical_to_plain(plain_llm, fafo_llm, mtbench):

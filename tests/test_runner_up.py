@@ -48,7 +48,7 @@ def test_tables_are_made_per_owner_bounded_and_cleared_in_place():
 def make_proposer(**settings) -> FafoProposer:
     """A pool-only proposer with runner-up tables over a VOCAB-token model."""
     config = FafoConfig(**{"num_lanes": 0, "controller": "fixed", "text_source": "pool", "runner_up_tokens": 2,
-                           "seed_from_prompt": False, **settings})
+                           "seed_from_prompt": False, "prior_table": "off", **settings})
     vllm_config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
         additional_config={"fafo": config.to_dict()},

@@ -106,7 +106,7 @@ def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
     trees.start("r", None, text)
     pool = request_pool(config)
     pool.add(repeat[-4:], (20, 21), Origin.LANE)
-    draft, origins, depth = tree_draft(trees, (pool,), None, "r", text, len(text), room=8)
+    draft, origins, depth = tree_draft(trees, (pool,), (), "r", text, len(text), room=8)
     assert depth == 6
     assert draft == [*repeat, 20, 21]
     assert origins == [Origin.DEEP_MATCH] * 6 + [Origin.LANE] * 2
@@ -117,7 +117,7 @@ def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
     trees = suffix_trees(config)
     text = np.array([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # "1 2 3 4" again, 4 deep
     trees.start("r", None, text)
-    assert tree_draft(trees, (request_pool(config),), None, "r", text, len(text), room=16) is None
+    assert tree_draft(trees, (request_pool(config),), (), "r", text, len(text), room=16) is None
 
 
 def test_config() -> None:

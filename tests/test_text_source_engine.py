@@ -74,7 +74,10 @@ def test_a_tenants_finished_answer_drafts_for_it_and_for_no_other_salt(source, s
 
 
 def test_samples_from_plain_vllms_distribution(source, plain_samples, source_llm):
-    before = _accepted(source_llm)[source]
+    """Every draft source on: the text source, lanes, the pool and the prior table."""
+    before = _accepted(source_llm)
     got = sample(source_llm, seed0=10_000)
-    assert _accepted(source_llm)[source] > before  # the rejection sampler's random path ran
+    after = _accepted(source_llm)
+    for origin in (source, "prior"):
+        assert after[origin] > before[origin], origin  # the rejection sampler's random path ran on its drafts
     assert_same_distribution(plain_samples, got)

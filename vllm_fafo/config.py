@@ -18,6 +18,7 @@ from vllm_fafo.compression import POLICIES, CompressionPolicy
 from vllm_fafo.compression.base import settings_keys
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 from vllm_fafo.goodput import CONTROLLERS
+from vllm_fafo.prior_table import check_setting as check_prior_table
 from vllm_fafo.suffix_tree import TEXT_SOURCES, require_suffix_trees
 from vllm_fafo.text_match import MATCH_DEPTH
 
@@ -114,6 +115,11 @@ class FafoConfig:
     the uniform batch that vLLM's V1 runner replays as one whole CUDA graph (a step with
     drafts of different lengths runs piecewise, attention launched layer by layer).
     Needs ``controller`` ``fixed`` and ``num_candidates`` 1 (README "Padded drafts")."""
+    prior_table: str = "auto"
+    """Where the text has no candidate, draft the target's own continuation of the text's
+    last token from a table built once per model (vllm_fafo.prior_table): ``auto`` the
+    table ``vllm-fafo-prior-table`` built for this model into the plugin's cache, if
+    there is one (the start-up log says which); a path to such a table; ``off``."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -222,6 +228,7 @@ class FafoConfig:
         check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
         check_int("runner_up_tokens", self.runner_up_tokens, 0, 16)
         check_bool("pad_drafts", self.pad_drafts)
+        check_prior_table(self.prior_table)
         if self.pad_drafts and (self.controller != "fixed" or self.num_candidates != 1):
             raise FafoConfigError(
                 f"speculative_config['pad_drafts']=True needs controller 'fixed' and num_candidates 1 "
@@ -306,6 +313,6 @@ USER_KEYS = (
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
     "text_source", "suffix_tree_cached_requests", "runner_up_tokens", "text_ngram_len",
-    "pad_drafts",
+    "pad_drafts", "prior_table",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

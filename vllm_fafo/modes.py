@@ -86,6 +86,7 @@ class LookaheadConfig:
             share_pool=False,  # the paper's pool is per request
             text_source="pool",  # the paper's n-gram pool drafts the text
             runner_up_tokens=0,
+            prior_table="off",  # the paper drafts from its pool alone
         )
 
 
@@ -151,6 +152,7 @@ class CacheBackConfig:
             share_pool=False,  # the paper's pool is per request (its frozen table is shared)
             text_source="pool",  # the paper's leaders and followers draft the text
             runner_up_tokens=0,
+            prior_table="off",  # the paper drafts from its two tables alone
         )
 
 

@@ -39,6 +39,7 @@ class Origin(str, Enum):
     DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (text_source "deep_match")
     RUNNER_UP = "runner_up"  # the target's top successors of the current token (runner_up_tokens)
     PAD = "pad"  # filler after the found draft (pad_drafts)
+    PRIOR = "prior"  # the target's continuation of the text's last token (vllm_fafo.prior_table)
 
 
 Candidate = tuple[int, ...]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ from vllm_fafo.log import init_logger
 from vllm_fafo.metrics import FafoMetrics
 from vllm_fafo.metrics_export import SnapshotPublisher
 from vllm_fafo.pool import Match, NgramPool, Origin, add_to_pools, match_pools
+from vllm_fafo.prior_table import OFF as PRIOR_TABLE_OFF
+from vllm_fafo.prior_table import resolve as resolve_prior_table
 from vllm_fafo.runner_up import RunnerUpTable, RunnerUpTables
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
@@ -188,11 +190,18 @@ def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.
     return stop_anchor
 
 
-def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: list[int],
+class Fallback(Protocol):
+    """A read-only table drafted from where the request's pools miss (:func:`chain_draft`)."""
+
+    def match(self, context: list[int]) -> Match | None: ...
+
+
+def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int],
                 room: int) -> tuple[list[int], list[Origin], int]:
     """Chain candidates until ``room`` tokens or no key matches: the request's pool
-    first (then its tenant's shared pool, under each key), then the frozen table
-    (Cacheback Sec. 3.3). ``context`` is the text's last ``max_key_len`` tokens.
+    first (then its tenant's shared pool, under each key), then each fallback in turn
+    (Cacheback's frozen table, Sec. 3.3; the prior table, :mod:`vllm_fafo.prior_table`).
+    ``context`` is the text's last ``max_key_len`` tokens.
     Returns the draft, each token's origin, and the length of the key the first
     candidate was found under (the controller cuts the draft by it)."""
     max_key_len = pools[0].max_key_len
@@ -201,8 +210,10 @@ def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: l
     first_key_len = 0
     while len(draft) < room:
         found: Match | None = match_pools(pools, context)
-        if found is None and frozen is not None:
-            found = frozen.match(context)
+        for fallback in fallbacks:
+            if found is not None:
+                break
+            found = fallback.match(context)
         if found is None:
             break
         first_key_len = first_key_len or found.key_len
@@ -213,7 +224,7 @@ def chain_draft(pools: Sequence[NgramPool], frozen: NgramPool | None, context: l
     return draft, origins, first_key_len
 
 
-def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], frozen: NgramPool | None, req_id: str,
+def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], req_id: str,
                history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], list[Origin], int] | None:
     """The draft of the request's suffix tree or deep-match text cache, with its match
     length; a deep match's draft that ends before ``room`` (its text ended) is chained
@@ -227,7 +238,7 @@ def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], frozen: NgramPool
     if len(draft) < room:
         max_key_len = pools[0].max_key_len
         context = (history[num_tokens - max_key_len : num_tokens].tolist() + draft)[-max_key_len:]
-        more, more_origins, _ = chain_draft(pools, frozen, context, room - len(draft))
+        more, more_origins, _ = chain_draft(pools, fallbacks, context, room - len(draft))
         draft += more
         origins += more_origins
     return draft, origins, match_len
@@ -238,7 +249,7 @@ def key_context(history: np.ndarray, num_tokens: int, max_key_len: int) -> list[
     return history[max(0, num_tokens - max_key_len) : num_tokens].tolist()
 
 
-def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], frozen: NgramPool | None,
+def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback],
                   runner_ups: RunnerUpTable | None, req_id: str, history: np.ndarray, num_tokens: int,
                   context: list[int], room: int) -> tuple[list[int], list[Origin], int]:
     """A request's draft of at most ``room`` tokens, with each token's origin and the
@@ -249,10 +260,10 @@ def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], frozen:
     ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
     (benchmarks/replay_pool.py) both draft through this one order."""
     if trees is not None:
-        found = tree_draft(trees, pools, frozen, req_id, history, num_tokens, room)
+        found = tree_draft(trees, pools, fallbacks, req_id, history, num_tokens, room)
         if found is not None:
             return found
-    draft, origins, key_len = chain_draft(pools, frozen, context, room)
+    draft, origins, key_len = chain_draft(pools, fallbacks, context, room)
     if not draft and runner_ups is not None:
         draft = runner_ups.chain(context[-1], room)
         origins = [Origin.RUNNER_UP] * len(draft)
@@ -365,10 +376,15 @@ class FafoProposer:
                     "branches read vLLM's paged KV cache, which this engine's cache dtype or CPU "
                     "attention ISA does not allow; set num_candidates to 1"
                 )
-        self.frozen: NgramPool | None = None
+        fallbacks: list[Fallback] = []
         if self.config.frozen_table is not None:
-            self.frozen = load_table(self.config.frozen_table, self.config.max_key_len,
-                                     self.config.ngram_len)
+            fallbacks.append(load_table(self.config.frozen_table, self.config.max_key_len, self.config.ngram_len))
+        if self.config.prior_table != PRIOR_TABLE_OFF:
+            prior = resolve_prior_table(self.config.prior_table, vllm_config.model_config.model,
+                                        vllm_config.model_config.get_vocab_size())
+            fallbacks += [prior] if prior is not None else []
+        self.fallbacks: tuple[Fallback, ...] = tuple(fallbacks)
+        """Tables drafted from where a request's pools miss, in this order (:func:`chain_draft`)."""
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
         if region is not None:
@@ -833,7 +849,7 @@ class FafoProposer:
                context: list[int]) -> tuple[list[int], list[Origin], int]:
         """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
         and never past ``max_model_len``."""
-        return request_draft(self.suffix_trees, state.pools, self.frozen, state.runner_ups, req_id, history,
+        return request_draft(self.suffix_trees, state.pools, self.fallbacks, state.runner_ups, req_id, history,
                              num_tokens, context, self._room(num_tokens))
 
     def _room(self, num_tokens: int) -> int:

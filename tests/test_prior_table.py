@@ -1,0 +1,142 @@
+"""The prior table: lookups, drafting where the pools miss, files, the config key."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from vllm_fafo.config import FafoConfig
+from vllm_fafo.errors import FafoConfigError
+from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.prior_table import (
+    PRIMER_MESSAGE,
+    PriorTable,
+    answer_prefix,
+    check_setting,
+    default_path,
+    load_table,
+    resolve,
+    save_table,
+)
+from vllm_fafo.proposer import chain_draft
+
+ROWS = np.array([
+    [1, 2, 3],  # 0 -> 1 2 3
+    [9, -1, -1],  # 1 -> 9 (the continuation stopped)
+    [-1, -1, -1],  # 2 -> nothing
+    [4, 4, 4],
+], dtype=np.int32)
+
+
+def test_continuation_stops_at_the_first_missing_token():
+    table = PriorTable(ROWS)
+    assert table.continuation(0) == (1, 2, 3)
+    assert table.continuation(1) == (9,)
+    assert table.continuation(2) == ()
+    assert table.continuation(4) == () and table.continuation(-1) == ()  # outside the vocabulary
+    found = table.match([7, 7, 3])
+    assert (found.candidate, found.origin, found.key_len) == ((4, 4, 4), Origin.PRIOR, 0)
+    assert table.match([2]) is None and table.match([]) is None
+
+
+def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
+    pool = NgramPool(max_key_len=2, capacity=4)
+    pool.add([5], (0,), Origin.OUTPUT)  # 5 -> 0; nothing under 3 or 9
+    table = PriorTable(ROWS)
+    # 5: the pool's 0; then 0 misses in the pool -> the prior's 1 2 3; then 3 -> the prior's 4 4 4
+    draft, origins, key_len = chain_draft((pool,), (table,), [8, 5], room=6)
+    assert draft == [0, 1, 2, 3, 4, 4]
+    assert origins == [Origin.OUTPUT] + [Origin.PRIOR] * 5
+    assert key_len == 1  # the first piece's key
+    # The pool wins under any key it holds, after a prior piece too.
+    pool.add([1, 2, 3], (6,), Origin.OUTPUT)
+    draft, origins, _ = chain_draft((pool,), (table,), [8, 5], room=6)
+    assert draft == [0, 1, 2, 3, 6]  # (2, 3) -> 6 from the pool; then neither has anything after 6
+    assert origins[-1] is Origin.OUTPUT
+    assert chain_draft((pool,), (), [8, 5], room=6)[0] == [0]  # without the table the chain ends at 0
+
+
+def test_file_roundtrip_and_errors_name_the_key(tmp_path):
+    path = tmp_path / "prior.npz"
+    save_table(path, ROWS, "some/model", [7, 8])
+    assert load_table(path, vocab_size=4).continuation(0) == (1, 2, 3)
+    with pytest.raises(FafoConfigError, match=r"\['prior_table'\].*covers 4 tokens.*vocabulary has 5"):
+        load_table(path, vocab_size=5)
+    (tmp_path / "junk.npz").write_text("not a table")
+    with pytest.raises(FafoConfigError, match=r"\['prior_table'\].*cannot be read as a prior table"):
+        load_table(tmp_path / "junk.npz", vocab_size=4)
+    np.savez(tmp_path / "other.npz", rows=ROWS, meta=np.asarray('{"format": "something else"}'))
+    with pytest.raises(FafoConfigError, match="is not a vllm-fafo-prior-table/1 file"):
+        load_table(tmp_path / "other.npz", vocab_size=4)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (None, "must be 'auto', 'off' or the path"),
+    ("", "must be 'auto', 'off' or the path"),
+    ("/nonexistent/prior.npz", "no such file"),
+])
+def test_config_refuses_bad_values(value, message):
+    with pytest.raises(FafoConfigError, match=rf"\['prior_table'\].*{message}"):
+        FafoConfig.from_user_dict({"method": "fafo", "prior_table": value})
+
+
+def test_config_takes_auto_off_and_a_file(tmp_path):
+    path = tmp_path / "prior.npz"
+    save_table(path, ROWS, "m", [])
+    for value in ("auto", "off", str(path)):
+        check_setting(value)
+        assert FafoConfig.from_user_dict({"method": "fafo", "prior_table": value}).prior_table == value
+    assert FafoConfig().prior_table == "auto"
+
+
+def test_auto_finds_the_table_built_for_the_model(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_FAFO_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    assert resolve("off", str(model), 4) is None
+    with caplog.at_level(logging.WARNING, logger="vllm_fafo.prior_table"):
+        assert resolve("auto", str(model), 4) is None
+    assert "no prior table for" in caplog.text and "vllm-fafo-prior-table --model" in caplog.text
+    save_table(default_path(str(model)), ROWS, str(model), [])
+    assert default_path(str(model) + "/") == default_path(str(model))  # one table however the folder is spelled
+    assert resolve("auto", str(model) + "/", 4).continuation(3) == (4, 4, 4)
+    assert default_path("org/other-model") != default_path(str(model))
+
+
+def test_answer_prefix_ends_where_the_answer_begins(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    whole = answer_prefix(tokenizer)
+    assert tokenizer.decode(whole).endswith(f"<|im_start|>user\n{PRIMER_MESSAGE}<|im_end|>\n<|im_start|>assistant\n")
+    cut = answer_prefix(tokenizer, block_size=16)
+    assert len(cut) == len(whole) // 16 * 16 and cut == whole[len(whole) - len(cut):]
+    assert answer_prefix(tokenizer, block_size=len(whole) + 1) == whole  # shorter than a block: whole
+
+
+def test_the_proposer_drafts_from_the_prior_where_the_pools_miss(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm_fafo.proposer import FafoProposer
+
+    from .test_proposer import FakeBatch
+
+    path = tmp_path / "prior.npz"
+    rows = np.full((64, 3), -1, np.int32)
+    rows[7] = [5, -1, -1]
+    save_table(path, rows, "m", [])
+    config = FafoConfig(num_lanes=0, controller="fixed", text_source="pool", num_speculative_tokens=4,
+                        text_ngram_len=1, prior_table=str(path))
+    proposer = FafoProposer(SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4), additional_config={"fafo": config.to_dict()},
+        instance_id="", parallel_config=SimpleNamespace(data_parallel_rank=0),
+        model_config=SimpleNamespace(max_model_len=4096, model="m", get_vocab_size=lambda: 64)))
+    batch = FakeBatch()
+    batch.add("a", [5, 6])
+    # Nothing ever followed 7: the prior's 5, then the pool's 5 -> 6 -> 7, then the prior again.
+    assert batch.step(proposer, [[7]]) == [[5, 6, 7, 5]]
+    assert proposer.metrics.proposed_tokens["prior"] == 2
+    batch.add("b", [1, 2])
+    assert batch.step(proposer, [[], [3]])[1] == []  # 3: neither the pools nor the prior have anything

@@ -140,3 +140,23 @@ def test_the_proposer_drafts_from_the_prior_where_the_pools_miss(tmp_path):
     assert proposer.metrics.proposed_tokens["prior"] == 2
     batch.add("b", [1, 2])
     assert batch.step(proposer, [[], [3]])[1] == []  # 3: neither the pools nor the prior have anything
+
+
+@pytest.mark.engine
+def test_build_rows_are_the_targets_greedy_continuations(plain_llm, model_dir):
+    """vLLM's build against transformers' greedy decoding of the same prompts (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_fafo.prior_table import build_rows
+
+    tokens = range(1000, 1006)
+    rows, prefix = build_rows(plain_llm, width=3, progress=False, tokens=tokens)
+    assert rows.shape == (plain_llm.llm_engine.model_config.get_vocab_size(), 3)
+    assert (rows[: tokens.start] == -1).all() and (rows[tokens.stop :] == -1).all()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for token in tokens:
+            ids = torch.tensor([[*prefix, token]])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+            assert list(PriorTable(rows).continuation(token)) == expected[0, ids.shape[1] :].tolist(), token

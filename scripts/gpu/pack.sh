@@ -74,6 +74,9 @@ echo "== model and prompt wheels (vllm_fafo.assets' cache)"
 python -m vllm_fafo.assets > /dev/null
 CACHE=$(python -c "from vllm_fafo.assets import cache_dir; print(cache_dir())")
 cp -r "$CACHE/wheels" "$CACHE/prompts" "$PAYLOAD/fafo_cache/"
+# SmolLM2's prior table: the device files it where "prior_table": "auto" looks (install).
+cp "$(python -c "from vllm_fafo.assets import smollm2_prior_table; print(smollm2_prior_table())")" \
+    "$PAYLOAD/smollm2_prior_table.npz"
 
 echo "== pack"
 tar -cf "$DEV/payload.tar" -C "$DEV" payload

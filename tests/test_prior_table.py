@@ -96,8 +96,12 @@ def test_auto_finds_the_table_built_for_the_model(tmp_path, monkeypatch, caplog)
     model = tmp_path / "model"
     model.mkdir()
     assert resolve("off", str(model), 4) is None
-    with caplog.at_level(logging.WARNING, logger="vllm_fafo.prior_table"):
+    plugin_logger = logging.getLogger("vllm.vllm_fafo.prior_table")  # vLLM's tree, which does not propagate
+    plugin_logger.addHandler(caplog.handler)
+    try:
         assert resolve("auto", str(model), 4) is None
+    finally:
+        plugin_logger.removeHandler(caplog.handler)
     assert "no prior table for" in caplog.text and "vllm-fafo-prior-table --model" in caplog.text
     save_table(default_path(str(model)), ROWS, str(model), [])
     assert default_path(str(model) + "/") == default_path(str(model))  # one table however the folder is spelled

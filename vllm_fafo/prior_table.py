@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from vllm_fafo.errors import FafoConfigError
+from vllm_fafo.log import init_logger
 from vllm_fafo.pool import Candidate, Match, Origin
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 FORMAT = "vllm-fafo-prior-table/1"
 AUTO = "auto"

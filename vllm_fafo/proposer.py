@@ -196,6 +196,15 @@ class Fallback(Protocol):
     def match(self, context: list[int]) -> Match | None: ...
 
 
+def first_match(fallbacks: Sequence[Fallback], context: list[int]) -> Match | None:
+    """The first fallback's match for ``context``, in order; None where all miss."""
+    for fallback in fallbacks:
+        found = fallback.match(context)
+        if found is not None:
+            return found
+    return None
+
+
 def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int],
                 room: int) -> tuple[list[int], list[Origin], int]:
     """Chain candidates until ``room`` tokens or no key matches: the request's pool
@@ -209,11 +218,7 @@ def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], conte
     origins: list[Origin] = []
     first_key_len = 0
     while len(draft) < room:
-        found: Match | None = match_pools(pools, context)
-        for fallback in fallbacks:
-            if found is not None:
-                break
-            found = fallback.match(context)
+        found = match_pools(pools, context) or first_match(fallbacks, context)
         if found is None:
             break
         first_key_len = first_key_len or found.key_len
@@ -255,7 +260,7 @@ def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], fallbac
     """A request's draft of at most ``room`` tokens, with each token's origin and the
     length of the context it matched: its suffix tree's (``text_source``
     ``suffix_tree``) or its own text's deep match (``deep_match``), else its pools'
-    (:func:`chain_draft`), else the chain of the target's top successors
+    (:func:`chain_draft`, with ``fallbacks`` where they miss), else the chain of the target's top successors
     (``runner_up_tokens``; matched context 0). ``context``: the text's last
     ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
     (benchmarks/replay_pool.py) both draft through this one order."""

@@ -39,6 +39,7 @@ import numpy as np
 from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.pool import RANKINGS
 from vllm_fafo.prior_table import DEFAULT_WIDTH, PriorTable
 from vllm_fafo.proposer import FafoProposer
 from vllm_fafo.suffix_tree import TEXT_SOURCES
@@ -87,12 +88,13 @@ def measure(batch: int, history_len: int, steps: int, controller: str, text_sour
             seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS,
             text_ngram_len: int = FafoConfig.text_ngram_len,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
-            gc_pauses: bool = False) -> dict:
+            gc_pauses: bool = False, rank_candidates: str = FafoConfig.rank_candidates) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too."""
     config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len,
-                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts, prior_table="off")
+                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts, prior_table="off",
+                        rank_candidates=rank_candidates)
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -177,6 +179,7 @@ def main() -> None:
                         help="length of the candidates filed from the text (0: num_speculative_tokens)")
     parser.add_argument("--num-speculative-tokens", type=int, default=FafoConfig.num_speculative_tokens)
     parser.add_argument("--pad-drafts", action="store_true", help="pad_drafts (needs --controller fixed)")
+    parser.add_argument("--rank-candidates", default=FafoConfig.rank_candidates, choices=RANKINGS)
     parser.add_argument("--gc-pauses", action="store_true",
                         help="freeze the heap first (as vLLM does) and report the full garbage collections")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
@@ -185,9 +188,11 @@ def main() -> None:
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, text source {args.text_source}, text n-grams {args.text_ngram_len or 'k'}, "
           f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
+          f"candidates ranked by {args.rank_candidates}, "
           f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
     options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len,
-               "num_speculative_tokens": args.num_speculative_tokens, "pad_drafts": args.pad_drafts}
+               "num_speculative_tokens": args.num_speculative_tokens, "pad_drafts": args.pad_drafts,
+               "rank_candidates": args.rank_candidates}
     measure(1, 128, 100, args.controller, args.text_source, **options)  # the process's first steps run slower
     gc_columns = " full collections | longest pause ms | tracked objects after |" if args.gc_pauses else ""
     print(f"| batch | history tokens | us per step | us per request-step | tau | slowest step ms |{gc_columns}")

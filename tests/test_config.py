@@ -50,6 +50,8 @@ def test_text_ngram_len_sets_the_text_candidates_length():
         ("text_ngram_len", -1, "['text_ngram_len']=-1 is out of range"),
         ("text_ngram_len", 65, "integers in [0, 64]"),
         ("pad_drafts", 1, "['pad_drafts']=1 must be true or false"),
+        ("rank_candidates", "newest", "['rank_candidates']='newest' is not a ranking; allowed: 'votes', 'recency'"),
+        ("rank_candidates", 1, "['rank_candidates']=1 is not a ranking"),
         ("pad_drafts", True, "needs controller 'fixed' and num_candidates 1 (got controller 'goodput'"),
     ],
 )

@@ -172,6 +172,7 @@ def test_defaults_map_onto_the_shared_machinery():
     assert (cb.pool_capacity, cb.max_keys, cb.ngram_len, cb.num_speculative_tokens) == (128, 1 << 20, 3, 6)
     assert parse_speculative_config({"method": "ngram"}) is None
     assert FafoConfig.from_dict(cb.to_dict()) == cb
+    assert (la.rank_candidates, cb.rank_candidates, FafoConfig().rank_candidates) == ("recency", "recency", "votes")
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,17 @@ def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
     assert chain_draft((pool,), (), [8, 5], room=6)[0] == [0]  # without the table the chain ends at 0
 
 
+def test_the_prior_votes_among_the_pools_candidates():
+    table = PriorTable(ROWS)
+    votes, recency = NgramPool(max_key_len=2, capacity=4, rank="votes"), NgramPool(max_key_len=2, capacity=4)
+    for pool in (votes, recency):
+        pool.add([0], (1, 7), Origin.PROMPT)  # the prior's next token after 0 is 1
+        pool.add([0], (8, 8), Origin.OUTPUT)  # the newest
+    assert chain_draft((votes,), (), [0], room=2)[0] == [8, 8]  # no guess: a tie, the newest
+    assert chain_draft((votes,), (table,), [0], room=2)[0] == [1, 7]
+    assert chain_draft((recency,), (table,), [0], room=2)[0] == [8, 8]
+
+
 def test_file_roundtrip_and_errors_name_the_key(tmp_path):
     path = tmp_path / "prior.npz"
     save_table(path, ROWS, "some/model", [7, 8])

@@ -1,8 +1,13 @@
-"""The pool shared across requests: lookup order, tenant isolation, memory bound."""
+"""The pool shared across requests: lookup order and ranking, tenant isolation, memory bound."""
 
 from __future__ import annotations
 
-from vllm_fafo.pool import NgramPool, Origin, alternatives_in, match_pools
+import random
+from collections import Counter
+
+import pytest
+
+from vllm_fafo.pool import GUESS_VOTES, NgramPool, Origin, alternatives_in, match_pools
 from vllm_fafo.shared_pool import TenantPools
 
 from .test_proposer import FakeBatch, make_proposer
@@ -24,6 +29,73 @@ def test_longest_key_wins_across_pools_and_own_pool_wins_under_the_same_key():
     assert found.candidate == (30, 31) and found.origin is Origin.LANE and found.key_len == 2
     assert match_pools((own, shared), [5, 6]) is None
     assert match_pools((own,), [0, 1, 2]) == own.match([0, 1, 2])
+
+
+def _voting_pools():
+    return NgramPool(max_key_len=3, capacity=8, rank="votes"), NgramPool(max_key_len=3, capacity=8, rank="votes")
+
+
+def test_votes_pick_the_first_token_most_candidates_begin_with():
+    own, shared = _voting_pools()
+    own.add([1], (5, 6), Origin.PROMPT)
+    own.add([1], (5, 7), Origin.OUTPUT)
+    own.add([1], (9, 9), Origin.OUTPUT)  # the newest, but 5 has two votes
+    assert match_pools((own,), [1]).candidate == (5, 7)  # the newest of the majority
+    recency = NgramPool(max_key_len=3, capacity=8)
+    for candidate in ((5, 6), (5, 7), (9, 9)):
+        recency.add([1], candidate, Origin.OUTPUT)
+    assert match_pools((recency,), [1]).candidate == (9, 9)
+    # The guess casts GUESS_VOTES: 9 now has 1 + 2 against 5's 2.
+    assert match_pools((own,), [1], guess=9).candidate == (9, 9)
+    # A text in both pools counts twice; a candidate found in the shared pool is SHARED.
+    shared.add([1], (8, 1), Origin.OUTPUT)
+    shared.add([1], (8, 2), Origin.OUTPUT)
+    shared.add([1], (8, 3), Origin.OUTPUT)
+    found = match_pools((own, shared), [1])
+    assert (found.candidate, found.origin, found.key_len) == ((8, 3), Origin.SHARED, 1)
+    shared.add([1], (5, 7), Origin.OUTPUT)  # 5: two in own, one in shared, against 8's three: own wins the tie
+    found = match_pools((own, shared), [1])
+    assert (found.candidate, found.origin) == ((5, 7), Origin.OUTPUT)
+    # A longer key wins whatever the votes under shorter ones.
+    shared.add([4, 1], (3,), Origin.PROMPT)
+    assert match_pools((own, shared), [4, 1]) == ((3,), Origin.SHARED, 2)
+
+
+def _voted_reference(pools, context, guess):
+    """Dense reference of the ``votes`` lookup, from the pools' candidate lists."""
+    for key_len in range(min(pools[0].max_key_len, len(context)), 0, -1):
+        key = context[-key_len:]
+        held = [(c, index) for index, pool in enumerate(pools) for c in reversed(pool.candidates(key))]
+        if held:
+            votes = Counter(c[0] for c, _ in held)
+            if guess is not None:
+                votes[guess] += GUESS_VOTES
+            best = max(range(len(held)), key=lambda i: (votes[held[i][0][0]], -i))
+            return held[best][0], held[best][1], key_len
+    return None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_votes_match_a_dense_reference(seed):
+    rng = random.Random(seed)
+    own, shared = NgramPool(3, 4, rank="votes"), NgramPool(3, 4, rank="votes")
+    for _ in range(300):
+        context = [rng.randrange(6) for _ in range(3)]
+        candidate = tuple(rng.randrange(5) for _ in range(rng.randrange(1, 4)))
+        for pool in (own, shared) if rng.random() < 0.5 else (shared,):
+            pool.add(context, candidate, Origin.OUTPUT)
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        guess = rng.choice([None, rng.randrange(5)])
+        wanted = _voted_reference((own, shared), context, guess)
+        found = match_pools((own, shared), context, guess)
+        if wanted is None:
+            assert found is None
+            continue
+        candidate, index, key_len = wanted
+        assert (found.candidate, found.key_len) == (candidate, key_len)
+        assert (found.origin is Origin.SHARED) == (index == 1)
+        pool = (own, shared)[index]
+        assert pool.candidates(context[-key_len:])[-1] == candidate  # the lookup refreshed the one it drafted
 
 
 def test_alternatives_go_key_length_then_pool_then_recency_each_once():

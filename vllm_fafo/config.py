@@ -18,6 +18,7 @@ from vllm_fafo.compression import POLICIES, CompressionPolicy
 from vllm_fafo.compression.base import settings_keys
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 from vllm_fafo.goodput import CONTROLLERS
+from vllm_fafo.pool import RANKINGS
 from vllm_fafo.prior_table import check_setting as check_prior_table
 from vllm_fafo.suffix_tree import TEXT_SOURCES, require_suffix_trees
 from vllm_fafo.text_match import MATCH_DEPTH
@@ -120,6 +121,10 @@ class FafoConfig:
     last token from a table built once per model (vllm_fafo.prior_table): ``auto`` the
     table ``vllm-fafo-prior-table`` built for this model into the plugin's cache, if
     there is one (the start-up log says which); a path to such a table; ``off``."""
+    rank_candidates: str = "votes"
+    """Which of a key's candidates a lookup drafts: ``votes``, the one whose first token
+    most of them begin with (the prior table's next token voting too), or ``recency``,
+    the most recently used one (vllm_fafo.pool.match_pools)."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -217,6 +222,11 @@ class FafoConfig:
         check_int("shared_pool_tenants", self.shared_pool_tenants, 1, 1 << 16)
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)
+        if self.rank_candidates not in RANKINGS:
+            raise FafoConfigError(
+                f"speculative_config['rank_candidates']={self.rank_candidates!r} is not a ranking; "
+                f"allowed: {', '.join(repr(r) for r in RANKINGS)}"
+            )
         check_bool("seed_from_output", self.seed_from_output)
         check_int("text_ngram_len", self.text_ngram_len, 0, 64)
         check_bool("stagger_lanes", self.stagger_lanes)
@@ -313,6 +323,6 @@ USER_KEYS = (
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
     "text_source", "suffix_tree_cached_requests", "runner_up_tokens", "text_ngram_len",
-    "pad_drafts", "prior_table",
+    "pad_drafts", "prior_table", "rank_candidates",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""

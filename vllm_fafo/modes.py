@@ -87,6 +87,7 @@ class LookaheadConfig:
             text_source="pool",  # the paper's n-gram pool drafts the text
             runner_up_tokens=0,
             prior_table="off",  # the paper drafts from its pool alone
+            rank_candidates="recency",  # the paper's pool: its newest guess
         )
 
 
@@ -153,6 +154,7 @@ class CacheBackConfig:
             text_source="pool",  # the paper's leaders and followers draft the text
             runner_up_tokens=0,
             prior_table="off",  # the paper drafts from its two tables alone
+            rank_candidates="recency",  # the paper's tables: the newest follower
         )
 
 

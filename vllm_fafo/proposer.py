@@ -103,7 +103,7 @@ class RequestState:
 def request_pool(config: FafoConfig) -> NgramPool:
     """A new request's own pool."""
     return NgramPool(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
-                     max_keys=config.max_keys, touch_on_lookup=config.touch_on_lookup)
+                     max_keys=config.max_keys, touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates)
 
 
 def shared_pools(config: FafoConfig) -> TenantPools | None:
@@ -112,7 +112,7 @@ def shared_pools(config: FafoConfig) -> TenantPools | None:
         return None
     return TenantPools(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
                        max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants,
-                       touch_on_lookup=config.touch_on_lookup)
+                       touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates)
 
 
 def suffix_trees(config: FafoConfig) -> SuffixTrees | None:
@@ -205,12 +205,21 @@ def first_match(fallbacks: Sequence[Fallback], context: list[int]) -> Match | No
     return None
 
 
+def next_piece(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int]) -> Match | None:
+    """The pools' candidate for ``context``, else the fallbacks' (in order). Where the
+    pools rank by votes, the fallbacks' next token votes too (:func:`match_pools`)."""
+    if pools[0].rank != "votes":
+        return match_pools(pools, context) or first_match(fallbacks, context)
+    guess = first_match(fallbacks, context)
+    return match_pools(pools, context, None if guess is None else guess.candidate[0]) or guess
+
+
 def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int],
                 room: int) -> tuple[list[int], list[Origin], int]:
     """Chain candidates until ``room`` tokens or no key matches: the request's pool
     first (then its tenant's shared pool, under each key), then each fallback in turn
     (Cacheback's frozen table, Sec. 3.3; the prior table, :mod:`vllm_fafo.prior_table`).
-    ``context`` is the text's last ``max_key_len`` tokens.
+    ``context`` is the text's last ``max_key_len`` tokens (:func:`next_piece`).
     Returns the draft, each token's origin, and the length of the key the first
     candidate was found under (the controller cuts the draft by it)."""
     max_key_len = pools[0].max_key_len
@@ -218,7 +227,7 @@ def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], conte
     origins: list[Origin] = []
     first_key_len = 0
     while len(draft) < room:
-        found = match_pools(pools, context) or first_match(fallbacks, context)
+        found = next_piece(pools, fallbacks, context)
         if found is None:
             break
         first_key_len = first_key_len or found.key_len

@@ -31,10 +31,10 @@ class TenantPools:
     """One bounded :class:`NgramPool` per tenant, least recently used tenant evicted."""
 
     def __init__(self, max_key_len: int, capacity: int, *, min_key_len: int, max_keys: int,
-                 max_tenants: int, touch_on_lookup: bool) -> None:
+                 max_tenants: int, touch_on_lookup: bool, rank: str = "recency") -> None:
         if max_keys < 1 or max_tenants < 1:
             raise ValueError(f"need max_keys={max_keys} >= 1 and max_tenants={max_tenants} >= 1")
-        self._pool_args = dict(min_key_len=min_key_len, max_keys=max_keys, touch_on_lookup=touch_on_lookup)
+        self._pool_args = dict(min_key_len=min_key_len, max_keys=max_keys, touch_on_lookup=touch_on_lookup, rank=rank)
         self.max_key_len = max_key_len
         self.capacity = capacity
         self.max_tenants = max_tenants

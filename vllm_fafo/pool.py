@@ -50,7 +50,7 @@ _TOKEN_BYTES = array("i").itemsize
 RANKINGS = ("votes", "recency")
 """How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
 GUESS_VOTES = 2
-"""Votes the fallbacks' guess of the next token casts (:func:`match_pools`): on the MT-Bench
+"""Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
 replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
 
 
@@ -243,7 +243,7 @@ def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int |
     weighs more), ``guess`` (the next token the fallbacks would draft, the prior
     table's) casting :data:`GUESS_VOTES` more; ties go as by recency. Where a key's
     candidates disagree, the majority is right more often than the newest: tau
-    2.268 -> 2.314 on the MT-Bench replay (docs/results.md "Candidates ranked by votes")."""
+    2.268 -> 2.316 on the MT-Bench replay (README "Candidate ranking")."""
     first = pools[0]
     longest = min(first.max_key_len, len(context))
     suffix = _packed(context[len(context) - longest :])

@@ -249,28 +249,32 @@ def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int |
     suffix = _packed(context[len(context) - longest :])
     for key_len in range(longest, first.min_key_len - 1, -1):
         key = suffix[(longest - key_len) * _TOKEN_BYTES :]
-        if first.rank == "votes":
-            found = _voted(pools, key, guess)
-            if found is not None:
-                return Match(found[0], found[1], key_len)
-            continue
-        for index, pool in enumerate(pools):
-            found = pool._newest(key)
-            if found is not None:
-                return Match(found[0], found[1] if index == 0 else Origin.SHARED, key_len)
+        chosen = _voted(pools, key, guess) if first.rank == "votes" else _newest_held(pools, key)
+        if chosen is not None:
+            index, pool, entries, candidate = chosen
+            found, origin = pool._take(key, entries, candidate)
+            return Match(found, origin if index == 0 else Origin.SHARED, key_len)
     return None
 
 
-def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> tuple[Candidate, Origin] | None:
+_Choice = tuple[int, NgramPool, dict[bytes, int], bytes]
+"""A lookup's pick under one key: the pool's index and the pool, the key's entries there,
+the packed candidate."""
+
+
+def _newest_held(pools: Sequence[NgramPool], key: bytes) -> _Choice | None:
+    """:func:`match_pools`'s ``recency`` pick under exactly ``key``."""
+    for index, pool in enumerate(pools):
+        entries = pool._table.get(key)
+        if entries:
+            return index, pool, entries, next(reversed(entries))
+    return None
+
+
+def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> _Choice | None:
     """:func:`match_pools`'s ``votes`` pick under exactly ``key``: compares packed first
     tokens (4 bytes), no unpacking."""
     held = [(index, pool, entries) for index, pool in enumerate(pools) if (entries := pool._table.get(key))]
-    if not held:
-        return None
-    if len(held) == 1 and len(held[0][2]) == 1:  # one candidate: nothing to vote on
-        index, pool, entries = held[0]
-        candidate, origin = pool._take(key, entries, next(iter(entries)))
-        return candidate, origin if index == 0 else Origin.SHARED
     votes: dict[bytes, int] = {} if guess is None else {_packed((guess,)): GUESS_VOTES}
     for _, _, entries in held:
         for candidate in entries:
@@ -281,9 +285,7 @@ def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> tuple[C
             count = votes[candidate[:_TOKEN_BYTES]]
             if count > best_votes:
                 best, best_votes = (index, pool, entries, candidate), count
-    index, pool, entries, candidate = best
-    found, origin = pool._take(key, entries, candidate)
-    return found, origin if index == 0 else Origin.SHARED
+    return best
 
 
 def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:

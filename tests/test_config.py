@@ -17,8 +17,10 @@ def test_keys_accept_dashes_like_vllm_cli():
 
 
 def test_text_ngram_len_sets_the_text_candidates_length():
-    assert FafoConfig().ngram_len == FafoConfig().num_speculative_tokens
-    assert FafoConfig.from_user_dict({"method": "fafo", "text_ngram_len": 4}).ngram_len == 4
+    assert FafoConfig().ngram_len == 4  # the default
+    assert FafoConfig.from_user_dict({"method": "fafo", "text_ngram_len": 6}).ngram_len == 6
+    whole = FafoConfig.from_user_dict({"method": "fafo", "text_ngram_len": 0, "num_speculative_tokens": 12})
+    assert whole.ngram_len == 12  # 0: as long as a draft
 
 
 @pytest.mark.parametrize(

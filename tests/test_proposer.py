@@ -61,7 +61,8 @@ class FakeBatch:
 
 
 def test_first_draft_matches_reference_and_rows_keep_their_own_pools():
-    proposer = make_proposer(num_speculative_tokens=3, max_key_len=3)
+    # candidates as long as a draft (text_ngram_len 0), as the reference files them
+    proposer = make_proposer(num_speculative_tokens=3, max_key_len=3, text_ngram_len=0)
     batch = FakeBatch()
     prompt_a = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 9, 1]
     prompt_b = [5, 5, 6, 5, 5, 7, 5]

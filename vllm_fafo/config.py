@@ -103,11 +103,15 @@ class FafoConfig:
     """Top next tokens kept from the target's logits at every verified position, per
     token they follow (Token Recycling's table, vllm_fafo.runner_up), drafted from where
     the text has no candidate and offered as tree branches; 0: off."""
-    text_ngram_len: int = 0
+    text_ngram_len: int = 4
     """Length of the candidates filed from the prompt and the output; 0:
     ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
-    found under the draft's own last tokens (Cacheback's followers are 3 long), and
-    make draft-tree branches shorter (README "Text n-gram length")."""
+    found (and voted on) under the draft's own last tokens, so the continuation is
+    chosen again every few tokens (Cacheback's followers are 3 long), and a piece is
+    filed as soon as its last token is decoded; draft-tree branches are shorter
+    (README "Text n-gram length"). 4 since 2026-11-29 (0 before): more tau in every
+    replayed cell, more tokens/s in the CPU engine's rounds (docs/results.md, "Where the
+    engine's tau goes")."""
     pad_drafts: bool = False
     """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
     tokens (the draft's last token repeated, the text's where nothing was found;

@@ -27,9 +27,10 @@
 #   bench_levers   the step-time and tau levers in one matrix on SmolLM2 (bf16, MT-Bench 32 x 128,
 #             batch 1 and 32), most telling first, so a stage cut by its limit (FAFO_STAGE_SECONDS)
 #             still answers: plain, default fafo (on CUDA 4 padded drafts, fixed controller),
-#             8 padded drafts, plain on vLLM's V1 runner (fafo's runner: the identity reference
-#             and step time at equal runner), pool-only fafo under the goodput controller (drafts
-#             up to 16), a draft tree (4 candidates, 4-token text n-grams, goodput; eager);
+#             8 and 16 padded drafts (replayed on CPU outputs, 16 reach 1.15x vLLM suffix's tau
+#             on every set: README "Where it stands"), plain on vLLM's V1 runner (fafo's runner:
+#             the identity reference and step time at equal runner), pool-only fafo under the
+#             goodput controller (drafts up to 16);
 #             every finished cell (token ids included) is packed into $OUT
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
@@ -159,9 +160,9 @@ bench_levers() {
     outside_checkout benchmarks
     local matrix=(benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192
         --methods none,fafo --method 'pad8={"method":"fafo","num_speculative_tokens":8}'
+        --method 'pad16={"method":"fafo","num_speculative_tokens":16}'
         --method 'none-v1={"method":"none","env":{"VLLM_USE_V2_MODEL_RUNNER":"0"}}'
         --method 'goodput={"method":"fafo","num_lanes":0,"controller":"goodput"}'
-        --method 'tree4-ng4={"method":"fafo","num_lanes":0,"num_candidates":4,"text_ngram_len":4}'
         --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,32}" --num-prompts 32 --max-tokens 128
         --out "$ROOT/results/levers")
     timeout "$LIMIT" python3 "${matrix[@]}" || python3 "${matrix[@]}" --summarize-only || true

@@ -202,8 +202,9 @@ def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_f
 
     module = benchmark_script("replay_pool")
 
-    def config(**keys):
-        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False, **keys})
+    def config(**keys):  # candidates as long as a draft (text_ngram_len 0): whole 16-token branches
+        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False,
+                                          "text_ngram_len": 0, **keys})
 
     # (1, 2) was followed first by `older`, then by `newer`; the answer takes `older` again.
     older, newer = list(range(10, 26)), list(range(40, 56))

@@ -155,17 +155,6 @@ class NgramPool:
         """
         return match_pools((self,), context)
 
-    def newest(self, key: Sequence[int]) -> tuple[Candidate, Origin] | None:
-        """The most recently used candidate under exactly ``key`` (refreshing as
-        :meth:`match` says), or None."""
-        return self._newest(_packed(key))
-
-    def _newest(self, key: bytes) -> tuple[Candidate, Origin] | None:
-        entries = self._table.get(key)
-        if not entries:
-            return None
-        return self._take(key, entries, next(reversed(entries)))
-
     def _take(self, key: bytes, entries: dict[bytes, int], candidate: bytes) -> tuple[Candidate, Origin]:
         """``candidate`` (packed, under ``key``) as a lookup's answer, refreshed as :meth:`match` says."""
         if self.max_keys:

@@ -525,6 +525,23 @@ class GoodputController:
         plain = self._plain_cost().predict(tokens)
         return np.maximum(self.lane_cost.predict(tokens), plain) if self.lane_cost.has_data else plain
 
+    def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree
+        steps' curve and the plain one plus the least that tree steps cost over plain
+        steps of their size, among the sizes both curves saw (the branches' attention
+        costs per layer and step, not per token: below the sizes it saw, the tree curve
+        alone scales that down with the tokens, and one branch token behind a short spine
+        would look cheaper than the plain step without it). Sizes only the tree curve saw
+        teach no extra: the plain curve is flat past what it saw. The plain curve alone
+        until a tree step ran."""
+        plain = self._plain_cost()
+        if not self.tree_cost.has_data:
+            return plain.predict(tokens)
+        tree_tokens, tree_seconds = self.tree_cost.curve()
+        both = tree_tokens <= plain.curve()[0].max(initial=0.0)
+        extra = max(0.0, float(np.min(tree_seconds[both] - plain.predict(tree_tokens[both])))) if both.any() else 0.0
+        return np.maximum(self.tree_cost.predict(tokens), plain.predict(tokens) + extra)
+
     def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
         """Draft length per request for the next step (at most ``available``, the draft
         each found): the batch's draft tokens most likely to be accepted, as many as
@@ -565,8 +582,7 @@ class GoodputController:
         pays only where its spine stops exactly at j, so its token i is worth
         P(spine stops at j) x P(branch tokens 1..i accepted | that), the first from
         the spine's reach probabilities, the second learned per rank. A step with
-        branches is priced by the curve of steps with branches (the plain curve until
-        one ran). Where tokens cost next to nothing (a GPU below its knee) whole trees run;
+        branches is priced by :meth:`_tree_step_seconds`. Where tokens cost next to nothing (a GPU below its knee) whole trees run;
         elsewhere only branches whose worth beats their cost, or none."""
         lengths = np.asarray(branches.lengths, dtype=np.int64)
         cost = self._plain_cost()
@@ -585,9 +601,8 @@ class GoodputController:
                  * self.yields.branch_reach_probability()[ranks[token_branch], depth])
         order = np.argsort(-worth, kind="stable")  # ties: shallower first, so each branch keeps a prefix
         gains = len(spine_lens) + spine_worth + np.concatenate([[0.0], np.cumsum(worth[order])])
-        with_tree = self.tree_cost if self.tree_cost.has_data else cost  # untried: priced as tokens
         seconds = np.concatenate([cost.predict([step_tokens]),
-                                  with_tree.predict(step_tokens + np.arange(1, len(order) + 1))])
+                                  self._tree_step_seconds(step_tokens + np.arange(1, len(order) + 1))])
         rates = gains / seconds
         best = int(rates.argmax())
         self.last.tree_tokens = best

@@ -23,6 +23,7 @@ from vllm_fafo.goodput import (
     StepOutcome,
     YieldEstimates,
     evidence_rows,
+    isotonic_fit,
     make_controller,
 )
 
@@ -111,6 +112,38 @@ def test_cost_model_interpolates_a_monotone_curve_and_is_flat_outside_what_it_sa
     np.testing.assert_allclose(got, [10.0, 10.0, 15.0, 60.0, 100.0], rtol=1e-6)
     model.observe(200, 0.001)  # a noisy fast sample never makes more tokens cheaper than fewer
     assert np.all(np.diff(model.predict(np.arange(1, 600))) >= 0)
+
+
+def isotonic_reference(values: np.ndarray, weights: np.ndarray) -> list[float]:
+    """The fit at i: the largest over runs starting at or before i of the smallest weighted
+    mean of a run from there ending at or after i."""
+    n = len(values)
+
+    def mean(j: int, k: int) -> float:
+        return float(np.average(values[j:k + 1], weights=weights[j:k + 1]))
+    return [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+
+
+def test_isotonic_fit_equals_the_max_min_formula_of_weighted_means():
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 12):
+        for _ in range(50):
+            values, weights = rng.normal(size=n), rng.integers(1, 6, size=n).astype(float)
+            np.testing.assert_allclose(isotonic_fit(values, weights), isotonic_reference(values, weights), atol=1e-12)
+
+
+def test_one_slow_step_at_a_size_seldom_run_does_not_price_the_sizes_above_it():
+    # 2-core CPU, GSM8K: a 2-token step right after a prefill took 55 ms, the 3- to
+    # 8-token steps of hundreds of drafts 38-46 ms; a running maximum priced them all at 55.
+    model = StepCostModel()
+    model.observe(1, 0.042)
+    model.observe(2, 0.055)
+    for _ in range(20):
+        for tokens, ms in ((3, 41.0), (6, 38.0), (7, 42.0), (11, 46.0), (17, 54.0)):
+            model.observe(tokens, ms / 1000)
+    got = 1000 * model.predict(np.array([2, 6, 7, 11, 17]))
+    assert np.all(np.diff(got) >= 0)
+    assert got[1] < 43.0 and got[2] == pytest.approx(42.0) and got[3] == pytest.approx(46.0)
 
 
 def test_cost_model_follows_a_change_in_a_few_steps():

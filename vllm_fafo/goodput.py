@@ -114,6 +114,26 @@ _GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
 _LOG_GRID = np.log(_GRID)
 
 
+def isotonic_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (pool
+    adjacent violators: a run that decreases becomes its weighted mean). A few dozen
+    points at most, once per step; SciPy's ``isotonic_regression`` does the same but is
+    not otherwise a dependency of vLLM or this plugin."""
+    means: list[float] = []
+    masses: list[float] = []
+    runs: list[int] = []
+    for value, weight in zip(values.tolist(), weights.tolist()):
+        means.append(value)
+        masses.append(weight)
+        runs.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            mass = masses[-2] + masses[-1]
+            means[-2] = (means[-2] * masses[-2] + means[-1] * masses[-1]) / mass
+            masses[-2], runs[-2] = mass, runs[-2] + runs[-1]
+            del means[-1], masses[-1], runs[-1]
+    return np.repeat(np.asarray(means, dtype=np.float64), runs)
+
+
 @dataclass
 class StepCostModel:
     """Seconds per step as a monotone function of the tokens in the forward."""
@@ -131,6 +151,8 @@ class StepCostModel:
     _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
     _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
     _seen: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=bool))
+    _samples: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    """Samples behind each point's mean, up to the ``1 / weight`` its decay keeps."""
     _curve: tuple[np.ndarray, np.ndarray] | None = None  # read once per step, not per question
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -143,19 +165,25 @@ class StepCostModel:
         self._updated_at[point] = self._steps
         if stale or not self._seen[point]:
             self._tokens[point], self._seconds[point], self._seen[point] = tokens, seconds, True
+            self._samples[point] = 1.0
             return
         self._tokens[point] += self.weight * (tokens - self._tokens[point])
         self._seconds[point] += self.weight * (seconds - self._seconds[point])
+        self._samples[point] = min(self._samples[point] + 1.0, 1.0 / self.weight)
 
     @property
     def has_data(self) -> bool:
         return len(self.curve()[0]) > 0
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
-        """The recent (tokens, seconds) points, seconds made non-decreasing."""
+        """The recent (tokens, seconds) points, seconds made non-decreasing by a least-squares
+        fit weighted by each point's samples. (A running maximum let one slow step at a size
+        seldom run set the price of every larger one: on the 2-core CPU a 2-token step
+        after a prefill, 55 ms, priced drafts of 1-10 tokens for hundreds of steps, whose
+        own steps took 38-46 ms.)"""
         if self._curve is None:
             recent = self._seen & (self._steps - self._updated_at <= self.forget_after)
-            self._curve = self._tokens[recent], np.maximum.accumulate(self._seconds[recent])
+            self._curve = self._tokens[recent], isotonic_fit(self._seconds[recent], self._samples[recent])
         return self._curve
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:

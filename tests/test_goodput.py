@@ -133,8 +133,9 @@ def test_isotonic_fit_equals_the_max_min_formula_of_weighted_means():
 
 
 def test_one_slow_step_at_a_size_seldom_run_does_not_price_the_sizes_above_it():
-    # 2-core CPU, GSM8K: a 2-token step right after a prefill took 55 ms, the 3- to
-    # 8-token steps of hundreds of drafts 38-46 ms; a running maximum priced them all at 55.
+    # 2-core CPU, GSM8K with draft trees: one slow 2-token step (55.5 ms) had a running
+    # maximum price every size up to 11 tokens at 55.5 ms; steps of 3-7 tokens took 38-42 ms
+    # (medians of hundreds of steps, defaults).
     model = StepCostModel()
     model.observe(1, 0.042)
     model.observe(2, 0.055)

@@ -150,9 +150,8 @@ class StepCostModel:
     _updated_at: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=np.int64))
     _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
     _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
-    _seen: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=bool))
     _samples: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
-    """Samples behind each point's mean, up to the ``1 / weight`` its decay keeps."""
+    """Samples behind each point's mean, up to the ``1 / weight`` its decay keeps (0: never seen)."""
     _curve: tuple[np.ndarray, np.ndarray] | None = None  # read once per step, not per question
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -163,9 +162,8 @@ class StepCostModel:
         point = int(np.abs(_LOG_GRID - math.log(tokens)).argmin())
         stale = self._steps - self._updated_at[point] > self.stale_after
         self._updated_at[point] = self._steps
-        if stale or not self._seen[point]:
-            self._tokens[point], self._seconds[point], self._seen[point] = tokens, seconds, True
-            self._samples[point] = 1.0
+        if stale or not self._samples[point]:
+            self._tokens[point], self._seconds[point], self._samples[point] = tokens, seconds, 1.0
             return
         self._tokens[point] += self.weight * (tokens - self._tokens[point])
         self._seconds[point] += self.weight * (seconds - self._seconds[point])
@@ -182,7 +180,7 @@ class StepCostModel:
         point's latest sample, 58.8 ms, priced every step of 8-17 tokens, whose 11- and
         17-token steps had medians of 45.7 and 53.8 ms.)"""
         if self._curve is None:
-            recent = self._seen & (self._steps - self._updated_at <= self.forget_after)
+            recent = (self._samples > 0) & (self._steps - self._updated_at <= self.forget_after)
             self._curve = self._tokens[recent], isotonic_fit(self._seconds[recent], self._samples[recent])
         return self._curve
 

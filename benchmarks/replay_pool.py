@@ -19,7 +19,12 @@ what the verification would cost.
 forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further draft token
 (what it learned on a 2-core CPU with SmolLM2 at batch 1, docs/results.md "Draft
 length") and per further request of a batch: its cuts, the tau they leave and
-the simulated tokens per second.
+the simulated tokens per second. A fourth value is a knee: forwards of up to
+that many tokens cost STEP, only the tokens past it are priced (``--cost-ms
+41,1.3,1.3,8``: about the 2-core CPU's measured curve, flat to 8 tokens).
+``--noise 0.05,0.02,1.5`` scatters each forward's time as a real machine's
+(lognormal, and a pause now and then), which is what the controller learns
+its cost curve from.
 
 ``--vllm-suffix`` adds vLLM's own ``suffix`` method replayed the same way (its
 tau equals the engine's): the reference a setting has to beat, at the same
@@ -58,9 +63,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -144,20 +150,21 @@ def new_controller(config: FafoConfig) -> GoodputController:
 
 
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
-           cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1,
+           cost_ms: tuple[float, ...] | None = None, batch_size: int = 1,
            controller: GoodputController | None = None, oracle: bool = False,
            top_tokens: Sequence[np.ndarray] | None = None, vocab_size: int = 0,
-           prior: PriorTable | None = None) -> dict[str, float]:
+           prior: PriorTable | None = None, noise: StepNoise | None = None) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
     (:func:`scheduled`).
 
-    With ``cost_ms`` = (step, first draft token, each further token) the
+    With ``cost_ms`` = (step, first draft token, each further token[, knee]) the
     goodput controller cuts the drafts as in the engine, learning from forwards
     that cost that much (:func:`step_seconds`), and the simulated tokens per
     second are reported too; without it drafts are kept whole. ``controller``:
     the one to cut with (default: a fresh one), so that one controller can run
     through several cells, warm, as a matrix run's engine runs its cells.
+    ``noise``: the forwards' times scatter as a real machine's do (:class:`StepNoise`).
 
     ``oracle``: each step's draft is, among the draft the setting finds and every
     candidate of the request's pools under the text's suffixes (longest key first,
@@ -177,6 +184,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         raise ValueError("replay: a controller cuts drafts only on a step cost; pass cost_ms with it")
     if cost_ms is not None and controller is None:
         controller = new_controller(config)
+    scatter = step_scatter(noise, cost_ms)
     grows_trees = config.num_candidates > 1
     if oracle and (grows_trees or cost_ms is not None):
         raise ValueError("replay: the oracle ranks single drafts, uncut; drop cost_ms and num_candidates")
@@ -247,7 +255,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         forwards += len(running)
         drafted += int(draft_lens.sum())
         if cost_ms is not None:
-            step_s = step_seconds(cost_ms, int(draft_lens.sum()), len(running))
+            step_s = scatter(step_seconds(cost_ms, int(draft_lens.sum()), len(running)))
             seconds += step_s
             judged = judge.judge({request.req_id: row for row, request in enumerate(running)},
                                  np.array([request.num_tokens for request in running]), _stacked(running))
@@ -301,33 +309,85 @@ def accepted_prefix(draft: list[int], output: list[int], done: int) -> int:
     return accepted
 
 
-def cost_ms_argument(value: str) -> tuple[float, float, float]:
-    """``--cost-ms STEP,FIRST,PER`` (milliseconds), as :func:`step_seconds` takes it."""
+def step_scatter(noise: StepNoise | None, cost_ms: tuple[float, ...] | None) -> Callable[[float], float]:
+    """What a replay's forwards' times go through: ``noise``'s scatter, or unchanged."""
+    if noise is None:
+        return lambda seconds: seconds
+    if cost_ms is None:
+        raise ValueError("replay: noise scatters the step cost; pass cost_ms with it")
+    return noise.sampler()
+
+
+def cost_ms_argument(value: str) -> tuple[float, ...]:
+    """``--cost-ms STEP,FIRST,PER[,KNEE]`` (milliseconds; KNEE in tokens), as :func:`step_seconds` takes it."""
     try:
         cost_ms = tuple(float(v) for v in value.split(","))
     except ValueError:
         cost_ms = ()
-    if len(cost_ms) != 3:
-        raise argparse.ArgumentTypeError(f"{value!r}: need three numbers, STEP,FIRST,PER (milliseconds)")
+    if len(cost_ms) not in (3, 4) or min(cost_ms, default=-1.0) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: need three or four numbers >= 0, STEP,FIRST,PER "
+                                         "(milliseconds) and optionally KNEE (tokens)")
     return cost_ms
 
 
-def step_seconds(cost_ms: tuple[float, float, float], num_drafts: int, num_requests: int = 1) -> float:
+def noise_argument(value: str) -> StepNoise:
+    """``--noise SD,P,FACTOR``, as :class:`StepNoise` takes them."""
+    try:
+        sd, probability, factor = (float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: need three numbers, SD,P,FACTOR") from None
+    if sd < 0 or not 0 <= probability <= 1 or factor < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: need SD >= 0, 0 <= P <= 1, FACTOR >= 1")
+    return StepNoise(sd, probability, factor)
+
+
+def step_seconds(cost_ms: tuple[float, ...], num_drafts: int, num_requests: int = 1) -> float:
     """A forward's synthetic cost: ``cost_ms[0]`` for one request, ``cost_ms[2]`` per
     further token (requests or drafts), ``cost_ms[1]`` instead for the step's first
-    draft token (what turns speculation on costs more than each token after it)."""
-    step, first, per_token = cost_ms
-    extra = (first + per_token * (num_drafts - 1)) if num_drafts else 0.0
-    return (step + per_token * (num_requests - 1) + extra) / 1000
+    draft token (what turns speculation on costs more than each token after it). An
+    optional fourth value, a knee: forwards of up to that many tokens cost what one
+    of a single token does, and only the tokens past it are priced (a machine whose
+    matrix products cost the same for a few rows as for one: on the 2-core CPU, steps
+    of 3 to 8 tokens took about what plain steps did, docs/results.md)."""
+    step, first, per_token = cost_ms[:3]
+    knee = int(cost_ms[3]) if len(cost_ms) > 3 else 1
+    priced = max(0, num_requests + num_drafts - max(knee, 1))  # tokens past the knee, drafts last
+    drafts = min(num_drafts, priced)
+    extra = (first + per_token * (drafts - 1)) if drafts else 0.0
+    return (step + per_token * (priced - drafts) + extra) / 1000
 
 
-def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
-                       cost_ms: tuple[float, float, float] | None = None, batch_size: int = 1) -> dict[str, float]:
+class StepNoise(NamedTuple):
+    """Scatter of a real machine's step times, for the synthetic forwards: each one
+    times exp(N(0, ``sd``)), and with probability ``pause_probability`` times
+    ``pause_factor`` too (a pause: the garbage collector, the OS, the first step after
+    a prefill, which took 52-74 ms against a 41 ms median on the 2-core CPU). The
+    controller learns its cost curve from such times; the cuts it makes are what this
+    shows."""
+
+    sd: float
+    pause_probability: float
+    pause_factor: float
+    seed: int = 0
+
+    def sampler(self) -> Callable[[float], float]:
+        rng = np.random.default_rng(self.seed)
+
+        def noisy(seconds: float) -> float:
+            pause = self.pause_factor if rng.random() < self.pause_probability else 1.0
+            return seconds * pause * math.exp(rng.normal(0.0, self.sd))
+        return noisy
+
+
+def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]], cost_ms: tuple[float, ...] | None = None,
+                       batch_size: int = 1, noise: StepNoise | None = None) -> dict[str, float]:
     """The same figures for vLLM's own ``suffix`` method, the reference to beat: Arctic
     Inference's cache with vLLM 0.32.0's defaults (trees 24 deep, 10,000 answers kept,
     up to 24 draft tokens, at most one per matched token, cut below an estimated 0.1),
     fed and asked as vLLM's ``SuffixDecodingProposer`` does; its drafts are never cut
-    by a controller. (On a matrix run's batch-1 cells its tau equals the engine's.)"""
+    by a controller. (On a matrix run's batch-1 cells its tau equals the engine's.)
+    ``noise``: its forwards' times scatter as :func:`replay`'s do."""
+    scatter = step_scatter(noise, cost_ms)
     cache = require_suffix_trees()(max_tree_depth=TREE_DEPTH, max_cached_requests=10000)
     forwards = tokens = drafted = 0
     seconds = 0.0
@@ -353,7 +413,7 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]],
             cache.add_active_response(request.req_id, request.history[before : request.num_tokens])
         forwards += len(running)
         drafted += sum(map(len, drafts))
-        seconds += 0.0 if cost_ms is None else step_seconds(cost_ms, sum(map(len, drafts)), len(running))
+        seconds += 0.0 if cost_ms is None else scatter(step_seconds(cost_ms, sum(map(len, drafts)), len(running)))
     result = {"tau": tokens / forwards, "draft_tokens_per_forward": drafted / forwards}
     if cost_ms is not None:
         result["tokens_per_s"] = tokens / seconds
@@ -429,9 +489,15 @@ def main() -> None:
                         help="run the model over each request's text for its top tokens (needed by settings "
                              "with runner_up_tokens > 0)")
     parser.add_argument("--cost-ms", default=None, type=cost_ms_argument,
-                        help="STEP,FIRST,PER: cut drafts with the goodput controller on this synthetic step cost")
+                        help="STEP,FIRST,PER[,KNEE]: cut drafts with the goodput controller on this synthetic "
+                             "step cost (KNEE: forwards of up to that many tokens cost STEP)")
+    parser.add_argument("--noise", default=None, type=noise_argument,
+                        help="SD,P,FACTOR: each forward's time times exp(N(0, SD)), and FACTOR with probability P "
+                             "(seeded: every setting sees the same scatter); needs --cost-ms")
     args = parser.parse_args()
     cost_ms = args.cost_ms
+    if args.noise is not None and cost_ms is None:
+        parser.error("--noise scatters the synthetic step cost: add --cost-ms")
     try:
         batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     except ValueError:
@@ -458,6 +524,8 @@ def main() -> None:
         print(f"target's top tokens: {width} per position; top token = plain vLLM's next one at "
               f"{100 * agreement:.2f}% of output positions")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {','.join(f'{v:g}' for v in cost_ms)} ms"
+    if args.noise is not None:
+        cut += f", scattered by {','.join(f'{v:g}' for v in args.noise[:3])}"
     print(f"| setting | batch | tau (drafts {cut}) | draft tokens per forward |"
           + (" simulated tokens/s |" if cost_ms else "")
           + (" branch tokens per forward | accepted off the spine |" if trees else ""))
@@ -470,13 +538,14 @@ def main() -> None:
 
     if args.vllm_suffix:
         for batch_size in batch_sizes:
-            row("vLLM suffix (its own cuts)", batch_size, replay_vllm_suffix(requests, cost_ms, batch_size))
+            row("vLLM suffix (its own cuts)", batch_size, replay_vllm_suffix(requests, cost_ms, batch_size, args.noise))
     for label, config in settings:
         controller = None if cost_ms is None else new_controller(config)
         prior = prior_table(config)
         for batch_size in batch_sizes:
             row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller,
-                                          top_tokens=top_tokens, vocab_size=vocab_size, prior=prior))
+                                          top_tokens=top_tokens, vocab_size=vocab_size, prior=prior,
+                                          noise=args.noise))
             if args.oracle:
                 row(f"{label}, best candidate at hand", batch_size, replay(config, requests, batch_size=batch_size,
                                                                            oracle=True, top_tokens=top_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -195,6 +196,49 @@ def test_pool_replay_drafts_what_the_text_repeats():
     replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0), controller=warm)
     again = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0), controller=warm)
     assert again["tau"] < costly["tau"]
+    # Past a knee of 17 tokens the same price; below it tokens are free, so the drafts stay long
+    # (cut only where the controller tries sizes below those it saw: it prices them proportionally).
+    knee = replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1000.0, 1000.0, 17.0))
+    assert costly["tau"] < knee["tau"] and costly["draft_tokens_per_forward"] < knee["draft_tokens_per_forward"]
+    # Scattered step times (seeded: the same scatter every run) price the same forwards.
+    noisy = [replay(config(num_speculative_tokens=16), [copying] * 3, cost_ms=(10.0, 1.0, 1.0),
+                    noise=module.StepNoise(0.05, 0.1, 1.5)) for _ in range(2)]
+    assert noisy[0] == noisy[1]
+    assert noisy[0]["tokens_per_s"] != replay(config(num_speculative_tokens=16), [copying] * 3,
+                                              cost_ms=(10.0, 1.0, 1.0))["tokens_per_s"]
+    with pytest.raises(ValueError, match="noise scatters the step cost"):
+        replay(config(), [copying], noise=module.StepNoise(0.05, 0.0, 1.0))
+
+
+def test_replay_step_cost_with_a_knee_and_scatter():
+    """``--cost-ms STEP,FIRST,PER,KNEE``: forwards of up to KNEE tokens cost STEP, only
+    tokens past it are priced, drafts first; ``--noise SD,P,FACTOR`` scatters each time."""
+    module = benchmark_script("replay_pool")
+    step_seconds = module.step_seconds
+    assert step_seconds((10.0, 4.0, 1.0, 8), 3, 2) == pytest.approx(0.010)  # 5 tokens: under the knee
+    assert step_seconds((10.0, 4.0, 1.0, 8), 10, 1) == pytest.approx((10.0 + 4.0 + 2.0) / 1000)  # 3 drafts past it
+    assert step_seconds((10.0, 4.0, 1.0, 8), 2, 10) == pytest.approx((10.0 + 2.0 + 4.0 + 1.0) / 1000)
+    assert step_seconds((10.0, 4.0, 1.0, 1), 3, 2) == step_seconds((10.0, 4.0, 1.0), 3, 2)
+    assert module.cost_ms_argument("41,1.2,1.2,8") == (41.0, 1.2, 1.2, 8.0)
+    for bad in ("41,1", "41,1,1,8,9", "41,-1,1", "a,b,c"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            module.cost_ms_argument(bad)
+    assert noise_samples(module.StepNoise(0.0, 0.0, 1.0)) == [0.04] * 200
+    assert noise_samples(module.StepNoise(0.0, 1.0, 1.5)) == pytest.approx([0.06] * 200)
+    scattered = noise_samples(module.StepNoise(0.05, 0.0, 1.0))
+    assert scattered == noise_samples(module.StepNoise(0.05, 0.0, 1.0))  # seeded
+    assert np.std(np.log(scattered)) == pytest.approx(0.05, rel=0.2)
+    paused = np.array(noise_samples(module.StepNoise(0.0, 0.25, 2.0)))
+    assert set(paused.round(6)) == {0.04, 0.08} and 0.1 < np.mean(paused > 0.05) < 0.4
+    assert module.noise_argument("0.05,0.02,1.5") == module.StepNoise(0.05, 0.02, 1.5)
+    for bad in ("0.05,0.02", "-0.1,0,1", "0.1,2,1", "0.1,0.5,0.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            module.noise_argument(bad)
+
+
+def noise_samples(noise) -> list[float]:
+    sample = noise.sampler()
+    return [sample(0.04) for _ in range(200)]
 
 
 def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_follows():

@@ -37,12 +37,22 @@ Request = tuple[list[int], int, torch.Tensor]
 """Block ids, tokens in the cache (the last query row's position + 1), query rows."""
 
 
+def enable_amx_tiles() -> None:
+    """Ask Linux for this process's AMX tile state, which vLLM's AMX attention kernel
+    uses and does not ask for: in the engine oneDNN's bfloat16 matrix products ask
+    first, here the kernel runs first and dies of an illegal instruction without it."""
+    if not torch._C._cpu._init_amx():
+        raise RuntimeError("CPU attention ISA 'amx', but Linux refused this process the AMX tile state")
+
+
 class PagedAttention:
     """vLLM's CPU attention over one random paged cache."""
 
     def __init__(self, dtype: torch.dtype, split_kv: bool) -> None:
         self.dtype, self.split_kv = dtype, split_kv
         self.isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_DIM)
+        if self.isa == "amx":
+            enable_amx_tiles()
         self.kv_cache = torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
         """vLLM's CPU cache shape; split into keys and values as its forward does."""
         halves = self.kv_cache.view(NUM_BLOCKS, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_DIM)

@@ -21,7 +21,8 @@ forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further draft token
 length") and per further request of a batch: its cuts, the tau they leave and
 the simulated tokens per second. A fourth value is a knee: forwards of up to
 that many tokens cost STEP, only the tokens past it are priced (``--cost-ms
-41,1.3,1.3,8``: about the 2-core CPU's measured curve, flat to 8 tokens).
+41,1.3,1.3,8`` and ``50,1.6,1.6,3``: about two 2-core CPUs' measured curves,
+docs/results.md "What the cut leaves at this machine's token price").
 ``--noise 0.05,0.02,1.5`` scatters each forward's time as a real machine's
 (lognormal, and a pause now and then), which is what the controller learns
 its cost curve from.
@@ -324,9 +325,10 @@ def cost_ms_argument(value: str) -> tuple[float, ...]:
         cost_ms = tuple(float(v) for v in value.split(","))
     except ValueError:
         cost_ms = ()
-    if len(cost_ms) not in (3, 4) or min(cost_ms, default=-1.0) < 0:
+    if len(cost_ms) not in (3, 4) or min(cost_ms, default=-1.0) < 0 or (len(cost_ms) == 4 and (
+            cost_ms[3] < 1 or not cost_ms[3].is_integer())):
         raise argparse.ArgumentTypeError(f"{value!r}: need three or four numbers >= 0, STEP,FIRST,PER "
-                                         "(milliseconds) and optionally KNEE (tokens)")
+                                         "(milliseconds) and optionally KNEE (a whole number of tokens >= 1)")
     return cost_ms
 
 
@@ -347,11 +349,11 @@ def step_seconds(cost_ms: tuple[float, ...], num_drafts: int, num_requests: int 
     draft token (what turns speculation on costs more than each token after it). An
     optional fourth value, a knee: forwards of up to that many tokens cost what one
     of a single token does, and only the tokens past it are priced (a machine whose
-    matrix products cost the same for a few rows as for one: on the 2-core CPU, steps
-    of 3 to 8 tokens took about what plain steps did, docs/results.md)."""
+    matrix products cost the same for a few rows as for one: one 2-core CPU's steps
+    were flat to 8 tokens, another's to 3, docs/results.md)."""
     step, first, per_token = cost_ms[:3]
     knee = int(cost_ms[3]) if len(cost_ms) > 3 else 1
-    priced = max(0, num_requests + num_drafts - max(knee, 1))  # tokens past the knee, drafts last
+    priced = max(0, num_requests + num_drafts - knee)  # past the knee; the requests' own tokens fill it first
     drafts = min(num_drafts, priced)
     extra = (first + per_token * (drafts - 1)) if drafts else 0.0
     return (step + per_token * (priced - drafts) + extra) / 1000

@@ -220,7 +220,7 @@ def test_replay_step_cost_with_a_knee_and_scatter():
     assert step_seconds((10.0, 4.0, 1.0, 8), 2, 10) == pytest.approx((10.0 + 2.0 + 4.0 + 1.0) / 1000)
     assert step_seconds((10.0, 4.0, 1.0, 1), 3, 2) == step_seconds((10.0, 4.0, 1.0), 3, 2)
     assert module.cost_ms_argument("41,1.2,1.2,8") == (41.0, 1.2, 1.2, 8.0)
-    for bad in ("41,1", "41,1,1,8,9", "41,-1,1", "a,b,c"):
+    for bad in ("41,1", "41,1,1,8,9", "41,-1,1", "a,b,c", "41,1,1,0", "41,1,1,2.5"):
         with pytest.raises(argparse.ArgumentTypeError):
             module.cost_ms_argument(bad)
     assert noise_samples(module.StepNoise(0.0, 0.0, 1.0)) == [0.04] * 200

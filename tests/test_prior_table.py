@@ -56,6 +56,10 @@ def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
     assert draft == [0, 1, 2, 3, 6]  # (2, 3) -> 6 from the pool; then neither has anything after 6
     assert origins[-1] is Origin.OUTPUT
     assert chain_draft((pool,), (), [8, 5], room=6)[0] == [0]  # without the table the chain ends at 0
+    # A draft the prior starts reports its key (0: not found in the text), not a later piece's.
+    draft, origins, key_len = chain_draft((pool,), (table,), [8, 0], room=4)
+    assert draft == [1, 2, 3, 6] and origins == [Origin.PRIOR] * 3 + [Origin.OUTPUT]
+    assert key_len == 0
 
 
 def test_the_prior_votes_among_the_pools_candidates():

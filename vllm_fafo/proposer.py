@@ -230,7 +230,8 @@ def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], conte
         found = next_piece(pools, fallbacks, context)
         if found is None:
             break
-        first_key_len = first_key_len or found.key_len
+        if not draft:  # the first piece's key, 0 where the prior table found it
+            first_key_len = found.key_len
         piece = list(found.candidate[: room - len(draft)])
         draft += piece
         origins += [found.origin] * len(piece)

@@ -14,8 +14,8 @@ continuations: its lookups cost what a real table's do.
 
 The goodput controller sizes drafts by what steps cost, so the steps here are
 timed on a modelled machine (``--cost-ms``, as in replay_pool.py: a forward of
-STEP ms, FIRST ms more with a draft, PER ms per further token), not on the
-wall clock: its choices, and so the host time measured, repeat run to run.
+STEP ms, FIRST ms more with a draft, PER ms per further token, optionally
+free up to a KNEE of tokens), not on the wall clock: its choices, and so the host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
@@ -85,7 +85,7 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 
 
 def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
-            seed: int = 0, cost_ms: tuple[float, float, float] = CPU_LIKE_COST_MS,
+            seed: int = 0, cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             text_ngram_len: int = FafoConfig.text_ngram_len,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
             gc_pauses: bool = False, rank_candidates: str = FafoConfig.rank_candidates) -> dict:
@@ -183,7 +183,8 @@ def main() -> None:
     parser.add_argument("--gc-pauses", action="store_true",
                         help="freeze the heap first (as vLLM does) and report the full garbage collections")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
-                        help="STEP,FIRST,PER: the modelled forward the controller sizes drafts for (milliseconds)")
+                        help="STEP,FIRST,PER[,KNEE]: the modelled forward the controller sizes drafts for "
+                             "(milliseconds; KNEE: tokens a forward takes at STEP's price, as in replay_pool.py)")
     args = parser.parse_args()
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, text source {args.text_source}, text n-grams {args.text_ngram_len or 'k'}, "

@@ -15,7 +15,8 @@ continuations: its lookups cost what a real table's do.
 The goodput controller sizes drafts by what steps cost, so the steps here are
 timed on a modelled machine (``--cost-ms``, as in replay_pool.py: a forward of
 STEP ms, FIRST ms more with a draft, PER ms per further token, optionally
-free up to a KNEE of tokens), not on the wall clock: its choices, and so the host time measured, repeat run to run.
+free up to a KNEE of tokens), not on the wall clock: its choices, and so the
+host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree

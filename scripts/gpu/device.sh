@@ -24,13 +24,12 @@
 #             default fafo, 4 candidates + 4 runner-up tokens under the goodput
 #             controller, 4 candidates with 4-token text n-grams (text_ngram_len 4)
 #             under the controller and fixed
-#   bench_levers   the step-time and tau levers in one matrix on SmolLM2 (bf16, MT-Bench 32 x 128,
-#             batch 1 and 32), most telling first, so a stage cut by its limit (FAFO_STAGE_SECONDS)
-#             still answers: plain, default fafo (on CUDA 4 padded drafts, fixed controller),
-#             8 and 16 padded drafts (replayed on CPU outputs, 16 reach 1.15x vLLM suffix's tau
-#             on every set: README "Where it stands"), plain on vLLM's V1 runner (fafo's runner:
-#             the identity reference and step time at equal runner), pool-only fafo under the
-#             goodput controller (drafts up to 16);
+#   bench_levers   the draft length of padded drafts on SmolLM2 (bf16, CUDA graphs, MT-Bench,
+#             GSM8K and HumanEval 20 x 256 (FAFO_DATASETS), batch 1 and 32), most telling first,
+#             so a stage cut by its limit (FAFO_STAGE_SECONDS) still answers: plain, the default
+#             (4 padded drafts, fixed controller), 16 and 8 padded drafts (replayed on CPU
+#             outputs, 16 reach 1.15x vLLM suffix's tau on every set: README "Where it stands"),
+#             plain on vLLM's V1 runner (fafo's runner: step time at equal runner);
 #             every finished cell (token ids included) is packed into $OUT
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
@@ -158,13 +157,17 @@ bench_trees() {
 bench_levers() {
     mkdir -p "$OUT/levers"
     outside_checkout benchmarks
-    local matrix=(benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192
-        --methods none,fafo --method 'pad8={"method":"fafo","num_speculative_tokens":8}'
-        --method 'pad16={"method":"fafo","num_speculative_tokens":16}'
-        --method 'none-v1={"method":"none","env":{"VLLM_USE_V2_MODEL_RUNNER":"0"}}'
-        --method 'goodput={"method":"fafo","num_lanes":0,"controller":"goodput"}'
-        --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1,32}" --num-prompts 32 --max-tokens 128
-        --out "$ROOT/results/levers")
+    # vLLM's JIT kernel warm-up (about 40 s of a graphed engine's start) is off in every
+    # engine alike: its Triton kernels compile on first use instead, in the warm-up request.
+    local fast='"engine_args":{"kernel_config":{"enable_jit_warmup":false}}'
+    local matrix=(benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 --methods ""
+        --method "none={\"method\":\"none\",$fast}"
+        --method "fafo={\"method\":\"fafo\",$fast}"
+        --method "pad16={\"method\":\"fafo\",\"num_speculative_tokens\":16,$fast}"
+        --method "pad8={\"method\":\"fafo\",\"num_speculative_tokens\":8,$fast}"
+        --method "none-v1={\"method\":\"none\",\"env\":{\"VLLM_USE_V2_MODEL_RUNNER\":\"0\"},$fast}"
+        --datasets "${FAFO_DATASETS:-mtbench,gsm8k,humaneval}" --batch-sizes "${FAFO_BATCH_SIZES:-1,32}"
+        --num-prompts 20 --max-tokens 256 --out "$ROOT/results/levers")
     timeout "$LIMIT" python3 "${matrix[@]}" || python3 "${matrix[@]}" --summarize-only || true
     cp "$ROOT"/results/levers/summary.* "$OUT/levers/" 2>/dev/null || true
     (cd "$ROOT/results/levers" && tar -czf "$OUT/levers/cells.tar.gz" cells) || true

@@ -66,12 +66,12 @@ def translate_speculative_config(args: EngineArgs) -> None:
         _make_room_for_tail(args, config, "draft-tree branches")
 
 
-CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 4, "pad_drafts": True}
+CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 16, "pad_drafts": True}
 """What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (docs/results.md "GPU levers")."""
 
 
 def with_cuda_defaults(raw: Any) -> Any:
-    """On CUDA, ``{"method": "fafo"}`` runs pool-only with padded 4-token drafts:
+    """On CUDA, ``{"method": "fafo"}`` runs pool-only with padded 16-token drafts:
     ``raw`` with the keys the user did not set added (before validation, so that
     ``{"method": "fafo", "pad_drafts": true}`` is valid there as it is the default).
 
@@ -80,7 +80,10 @@ def with_cuda_defaults(raw: Any) -> Any:
     step with lanes against 4.6 ms pool-only; docs/results.md "GPU figures"). Drafts of
     varying length make steps that vLLM's V1 runner runs piecewise, padded ones
     the uniform batches it replays as whole CUDA graphs (H200, 2026-11-28: 4.1 ms
-    per step against 10.8 under the goodput controller, tau 1.42 against 1.38).
+    per step against 10.8 under the goodput controller, tau 1.42 against 1.38). A
+    padded step of 16 drafts costs about what one of 4 does at batch 1 (H200,
+    2026-11-30: 3.3-3.7 ms against 3.3-3.4) and reaches 1.16x-1.22x vLLM
+    ``suffix``'s tau against 0.90x-1.06x for 4 (docs/results.md "Padded draft length").
     Asking for lanes, a draft tree or the goodput controller keeps the CPU
     defaults of the other keys.
     """

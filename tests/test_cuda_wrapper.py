@@ -200,7 +200,7 @@ def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
 
 def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_dir, monkeypatch):
     """Lanes force eager mode and drafts of varying length make steps vLLM runs piecewise:
-    on CUDA the default is pool only with padded 4-token drafts under the fixed controller;
+    on CUDA the default is pool only with padded 16-token drafts under the fixed controller;
     keys set by the user keep their values, and so do the others' CPU defaults where the
     user asks for lanes, a draft tree or the goodput controller."""
     from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
@@ -218,13 +218,14 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
 
     assert knobs(translated("cpu", {"method": "fafo"})[1]) == (16, "goodput", 16, False)
     args, fafo = translated("cuda", {"method": "fafo"})
-    assert knobs(fafo) == (0, "fixed", 4, True)
-    assert args.speculative_config["num_speculative_tokens"] == 4
+    assert knobs(fafo) == (0, "fixed", 16, True)
+    assert args.speculative_config["num_speculative_tokens"] == 16
     assert not args.enforce_eager and args.attention_backend is None
     assert knobs(translated("cuda", {"method": "fafo", "num_speculative_tokens": 8})[1]) == (0, "fixed", 8, True)
-    assert knobs(translated("cuda", {"method": "fafo", "num_lanes": 0})[1]) == (0, "fixed", 4, True)
-    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": False})[1]) == (0, "fixed", 4, False)
-    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": True})[1]) == (0, "fixed", 4, True)
+    assert knobs(translated("cuda", {"method": "fafo", "num_lanes": 0})[1]) == (0, "fixed", 16, True)
+    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": False})[1]) == (0, "fixed", 16, False)
+    assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": True})[1]) == (0, "fixed", 16, True)
+    assert knobs(translated("cuda", {"method": "fafo", "num_speculative_tokens": 4})[1]) == (0, "fixed", 4, True)
     with pytest.raises(FafoConfigError, match="pad_drafts.*needs controller 'fixed'"):
         translated("cuda", {"method": "fafo", "pad_drafts": True, "controller": "goodput"})
     assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput"})[1]) == (0, "goodput", 16, False)

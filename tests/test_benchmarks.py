@@ -31,7 +31,7 @@ def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
         sys.executable, str(ROOT / "benchmarks" / "matrix.py"),
         # plain vLLM given as LABEL=JSON, to run a method's engine_args through LLM()
         "--methods", "ngram,fafo", "--method", 'none={"method":"none","engine_args":{"max_num_seqs":8}}',
-        "--datasets", "mtbench",  # (the rounds test below runs humaneval)
+        "--datasets", "mtbench",
         "--num-prompts", "2", "--max-tokens", "16", "--max-model-len", "1024",
         "--kv-cache-mib", "128", "--out", str(out),
     ]
@@ -383,19 +383,33 @@ def test_a_method_can_set_its_engine_s_environment_and_arguments():
         matrix.engine_settings({"method": "none", "num_speculative_tokens": 4})
 
 
-def test_matrix_rounds_alternate_the_method_order(tmp_path, model_dir):
+def test_matrix_rounds_alternate_the_method_order(tmp_path, monkeypatch):
+    """``--rounds 2`` runs the methods forward, then backward, each round into its own
+    folder, and reports every cell once per round. The engines are stood in for by a
+    child that writes its cell (the tiny matrix above runs real ones)."""
+    matrix = benchmark_script("matrix")
     out = tmp_path / "bench"
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--methods", "none,fafo",
-        "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
-        "--kv-cache-mib", "128", "--out", str(out), "--rounds", "2",
-    ]
-    subprocess.run(command, check=True, timeout=900, cwd=ROOT)
-    finished = {path.parent.parent.name + "/" + path.stem: path.stat().st_mtime_ns
-                for path in out.glob("round*/cells/*.json")}
-    assert finished["round1/none__humaneval__b1"] < finished["round1/fafo__humaneval__b1"]
-    assert finished["round2/fafo__humaneval__b1"] < finished["round2/none__humaneval__b1"]
-    assert (out / "rounds.md").read_text().count("| humaneval | 1 |") == 2
+    args = argparse.Namespace(
+        methods="none,fafo", method=[], datasets="humaneval", batch_sizes="1", out=str(out), rounds=2)
+    order, real_run = [], subprocess.run
+
+    def child(command, *args, **kwargs):
+        if "--child" not in command:  # not a method's engine (the machine's description)
+            return real_run(command, *args, **kwargs)
+        label, round_out = command[-1], Path(command[command.index("--out") + 1])
+        order.append((round_out.name, label))
+        path = matrix.cell_path(round_out, label, "humaneval", 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"method": label, "dataset": "humaneval", "batch_size": 1, "temperature": 0.0,
+                                    "tokens_per_s": 10.0 + len(order), "token_ids": [[1, 2]]}))
+
+    monkeypatch.setattr(matrix.subprocess, "run", child)
+    matrix.run_rounds(args, ["none", "fafo"], ["none", "fafo"], [])
+    assert order == [("round1", "none"), ("round1", "fafo"), ("round2", "fafo"), ("round2", "none")]
+    table = (out / "rounds.md").read_text()
+    assert table.count("| humaneval | 1 |") == 2
+    # fafo against none: 12 / 11 in round 1, 13 / 14 in round 2; the median ratio 1.0097
+    assert "| humaneval | 1 | fafo | 12.0 / 13.0 | 12.5 | 1.01 | yes |" in table
 
 
 def test_batch_replay_runs_requests_together_and_batch_1_is_one_after_another():

@@ -67,7 +67,8 @@ def translate_speculative_config(args: EngineArgs) -> None:
 
 
 CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 16, "pad_drafts": True}
-"""What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (docs/results.md "GPU levers")."""
+"""What ``{"method": "fafo"}`` runs on CUDA unless the user sets these keys (docs/results.md "GPU levers",
+"Padded draft length")."""
 
 
 def with_cuda_defaults(raw: Any) -> Any:

@@ -393,9 +393,9 @@ def test_matrix_rounds_alternate_the_method_order(tmp_path, monkeypatch):
         methods="none,fafo", method=[], datasets="humaneval", batch_sizes="1", out=str(out), rounds=2)
     order, real_run = [], subprocess.run
 
-    def child(command, *args, **kwargs):
+    def child(command, *rest, **options):
         if "--child" not in command:  # not a method's engine (the machine's description)
-            return real_run(command, *args, **kwargs)
+            return real_run(command, *rest, **options)
         label, round_out = command[-1], Path(command[command.index("--out") + 1])
         order.append((round_out.name, label))
         path = matrix.cell_path(round_out, label, "humaneval", 1)

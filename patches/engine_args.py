@@ -98,10 +98,17 @@ def with_cuda_defaults(raw: Any) -> Any:
     added = {key: value for key, value in defaults.items() if key not in asked}
     if not added:
         return raw
+    settings = {**asked, **added}
+    graphs = ""
+    if settings.get("pad_drafts"):
+        draft_len = settings.get("num_speculative_tokens", FafoConfig.num_speculative_tokens)
+        graphs = (f"; vLLM captures decode steps of up to 512 tokens on Hopper: {512 // (1 + draft_len)} "
+                  f"requests with {draft_len}-token drafts, more run without CUDA graphs, where "
+                  "fewer draft tokens cost less")
     logger.info(
-        "vllm-fafo: CUDA defaults %s (lanes force eager mode; padded drafts keep every decode "
-        "step a whole CUDA graph); set these keys to override",
-        ", ".join(f"{key}={value!r}" for key, value in added.items()),
+        "vllm-fafo: CUDA defaults %s (lanes force eager mode; padded drafts keep decode steps "
+        "whole CUDA graphs%s); set these keys to override",
+        ", ".join(f"{key}={value!r}" for key, value in added.items()), graphs,
     )
     return {**raw, **added}
 

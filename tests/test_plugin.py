@@ -175,8 +175,11 @@ def test_plugin_info_lines_reach_vllms_log_handler(module):
     catcher.emit = records.append
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(catcher)
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.INFO)  # as vLLM's configure_logging does when an engine starts
     try:
         logger.info("vllm-fafo log check")
     finally:
         vllm_logger.removeHandler(catcher)
+        vllm_logger.setLevel(level)
     assert [r.getMessage() for r in records] == ["vllm-fafo log check"]

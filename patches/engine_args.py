@@ -71,6 +71,11 @@ CUDA_PADDED_DEFAULTS = {"controller": "fixed", "num_speculative_tokens": 16, "pa
 "Padded draft length")."""
 
 
+MAX_GRAPH_TOKENS_HOPPER = 512
+"""The largest decode step vLLM 0.32 captures as a CUDA graph by default before Blackwell
+(``VllmConfig._set_cudagraph_sizes``; 1,024 on Blackwell): larger steps run without graphs."""
+
+
 def with_cuda_defaults(raw: Any) -> Any:
     """On CUDA, ``{"method": "fafo"}`` runs pool-only with padded 16-token drafts:
     ``raw`` with the keys the user did not set added (before validation, so that
@@ -102,9 +107,9 @@ def with_cuda_defaults(raw: Any) -> Any:
     graphs = ""
     if settings.get("pad_drafts"):
         draft_len = settings.get("num_speculative_tokens", FafoConfig.num_speculative_tokens)
-        graphs = (f"; vLLM captures decode steps of up to 512 tokens on Hopper: {512 // (1 + draft_len)} "
-                  f"requests with {draft_len}-token drafts, more run without CUDA graphs, where "
-                  "fewer draft tokens cost less")
+        graphs = (f"; vLLM captures decode steps of up to {MAX_GRAPH_TOKENS_HOPPER} tokens on Hopper: "
+                  f"{MAX_GRAPH_TOKENS_HOPPER // (1 + draft_len)} requests with {draft_len}-token drafts, "
+                  "more run without CUDA graphs, where fewer draft tokens cost less")
     logger.info(
         "vllm-fafo: CUDA defaults %s (lanes force eager mode; padded drafts keep decode steps "
         "whole CUDA graphs%s); set these keys to override",

@@ -88,7 +88,7 @@ def with_cuda_defaults(raw: Any) -> Any:
     the uniform batches it replays as whole CUDA graphs (H200, 2026-11-28: 4.1 ms
     per step against 10.8 under the goodput controller, tau 1.42 against 1.38). A
     padded step of 16 drafts costs about what one of 4 does at batch 1 (H200,
-    2026-11-30: 3.3-3.7 ms against 3.3-3.4) and reaches 1.16x-1.22x vLLM
+    2026-11-30: 3.3-3.7 ms against 3.3-3.5) and reaches 1.16x-1.22x vLLM
     ``suffix``'s tau against 0.90x-1.06x for 4 (docs/results.md "Padded draft length").
     Asking for lanes, a draft tree or the goodput controller keeps the CPU
     defaults of the other keys.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 ENGINE_KWARGS: dict[str, Any] = dict(
@@ -70,3 +73,21 @@ def assert_concurrent_identical(plain_llm, llm, prompts: list[str], first_len: i
     expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
     got = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert_same_tokens(expected, got)
+
+
+@contextlib.contextmanager
+def vllm_info_lines() -> Iterator[list[str]]:
+    """The messages logged under vLLM's logger tree meanwhile, at INFO as vLLM's
+    configure_logging sets it when an engine starts (a test run alone has no engine yet)."""
+    messages: list[str] = []
+    catcher = logging.Handler(level=logging.INFO)
+    catcher.emit = lambda record: messages.append(record.getMessage())
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.addHandler(catcher)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        vllm_logger.removeHandler(catcher)
+        vllm_logger.setLevel(level)

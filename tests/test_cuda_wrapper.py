@@ -240,25 +240,15 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
 def test_cuda_defaults_say_where_padded_steps_leave_cuda_graphs(model_dir, monkeypatch):
     """vLLM captures decode steps of up to 512 tokens (Hopper): with 16-token drafts a step
     of more than 30 requests runs without CUDA graphs, which the start-up line says."""
-    import logging
-
     from vllm_fafo.patches import engine_args
 
+    from .engine_utils import vllm_info_lines
+
     monkeypatch.setattr(engine_args, "current_platform", fake_platform("cuda"))
-    messages: list[str] = []
-    catcher = logging.Handler(level=logging.INFO)
-    catcher.emit = lambda record: messages.append(record.getMessage())
-    vllm_logger = logging.getLogger("vllm")
-    vllm_logger.addHandler(catcher)
-    level = vllm_logger.level
-    vllm_logger.setLevel(logging.INFO)  # as vLLM's configure_logging does when an engine starts
-    try:
+    with vllm_info_lines() as messages:
         for spec in ({"method": "fafo"}, {"method": "fafo", "num_speculative_tokens": 4},
                      {"method": "fafo", "num_lanes": 16, "num_speculative_tokens": 8}):
             engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=spec))
-    finally:
-        vllm_logger.removeHandler(catcher)
-        vllm_logger.setLevel(level)
     defaults = [m for m in messages if m.startswith("vllm-fafo: CUDA defaults")]
     assert len(defaults) == 2  # lanes asked for by name: no CUDA default applies, none logged
     assert "30 requests with 16-token drafts" in defaults[0]

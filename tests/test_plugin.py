@@ -167,19 +167,10 @@ def test_plugin_info_lines_reach_vllms_log_handler(module):
     """vLLM configures only its own logger tree; INFO lines (the controller's periodic
     line) logged outside it would be dropped by Python's last-resort handler."""
     import importlib
-    import logging
+
+    from .engine_utils import vllm_info_lines
 
     logger = importlib.import_module(module).logger
-    records: list[logging.LogRecord] = []
-    catcher = logging.Handler(level=logging.INFO)
-    catcher.emit = records.append
-    vllm_logger = logging.getLogger("vllm")
-    vllm_logger.addHandler(catcher)
-    level = vllm_logger.level
-    vllm_logger.setLevel(logging.INFO)  # as vLLM's configure_logging does when an engine starts
-    try:
+    with vllm_info_lines() as messages:
         logger.info("vllm-fafo log check")
-    finally:
-        vllm_logger.removeHandler(catcher)
-        vllm_logger.setLevel(level)
-    assert [r.getMessage() for r in records] == ["vllm-fafo log check"]
+    assert messages == ["vllm-fafo log check"]

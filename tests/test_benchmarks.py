@@ -25,6 +25,7 @@ def benchmark_script(name: str):
     return module
 
 
+@pytest.mark.slow  # scripts/check_wheel.sh runs the README's main job in CI
 def test_matrix_command_on_a_tiny_matrix(tmp_path, model_dir):
     out = tmp_path / "bench"
     command = [

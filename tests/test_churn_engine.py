@@ -15,7 +15,7 @@ import pytest
 
 from vllm_fafo.metrics import collect_metrics
 
-from .conftest import LANES_SPEC
+from .engine_configs import LANES_SPEC
 from .engine_utils import assert_same_tokens, greedy, make_llm, token_ids
 
 pytestmark = pytest.mark.engine

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import LANES_SPEC
+from .engine_configs import LANES_SPEC
 from .engine_process import LONG_MODEL_LEN, run_case
 from .engine_utils import assert_same_tokens
 from .test_memory import readme_formula

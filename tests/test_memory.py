@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.compression.quest import QuestSettings
 from vllm_fafo.config import FafoConfig
 
-from .conftest import LANES_SPEC, POLICY_SPECS
+from .engine_configs import CONFIGS, LANES_SPEC
 from .engine_utils import ENGINE_MAX_MODEL_LEN
 
 
@@ -36,17 +38,37 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_formulas() -> dict[str, str]:
+    """README "Memory"'s table: policy -> its bytes per attention layer, as a Python expression."""
+    section = README.read_text().split("### Memory", 1)[1].split("\n#", 1)[0]
+    formulas: dict[str, str] = {}
+    base = ""
+    for names, cell in re.findall(r"^\| ([^|]+) \| ([^|]+) \|$", section, re.M):
+        code = re.search(r"`([^`]+)`", cell)
+        if code is None:  # the header
+            continue
+        expression = f"{base} {code.group(1)}" if cell.startswith("the above") else code.group(1)
+        base = expression if not cell.startswith("the above") else base
+        for name in re.findall(r"`(\w+)`", names):
+            formulas[name] = expression.replace(" x ", " * ")
+    assert {"streaming", "none", "quest", "snapkv"} <= set(formulas), formulas
+    return formulas
+
+
 def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, head_size: int,
                    max_model_len: int, dtype_bytes: int) -> int:
-    """README "Memory": bytes of one attention layer's lane state."""
-    k = spec.get("num_speculative_tokens", FafoConfig().num_speculative_tokens)
-    per_token = 2 * num_kv_heads * head_size * dtype_bytes
-    total = rows * (spec["kv_budget"] + k) * per_token + 8 * rows
-    if spec.get("compression") == "quest":
-        total += rows * math.ceil(max_model_len / spec.get("quest_page_size", 16)) * per_token
-    if spec.get("compression") == "snapkv":
-        total += rows * spec.get("snapkv_window", 32) * num_heads * head_size * dtype_bytes
-    return total
+    """README "Memory": bytes of one attention layer's lane state, evaluated from the README's table."""
+    defaults = FafoConfig()
+    names = {
+        "R": rows, "k": spec.get("num_speculative_tokens", defaults.num_speculative_tokens),
+        "Hk": num_kv_heads, "Hq": num_heads, "D": head_size, "b": dtype_bytes, "L": max_model_len,
+        "kv_budget": spec["kv_budget"], "quest_page_size": spec.get("quest_page_size", 16),
+        "snapkv_window": spec.get("snapkv_window", 32), "ceil": math.ceil,
+    }
+    return eval(readme_formulas()[spec.get("compression", "streaming")], {"__builtins__": {}}, names)
 
 
 def layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
@@ -74,14 +96,14 @@ def test_streaming_lane_bytes_match_the_readme_formula(lanes_llm):
 
 
 @pytest.mark.engine
-def test_policy_lane_bytes_match_the_readme_formula(policy_llm):
-    name, llm = policy_llm
-    _check_formula(llm, POLICY_SPECS[name])
+@pytest.mark.parametrize("name", ["quest", "snapkv"])
+def test_policy_lane_bytes_match_the_readme_formula(name, engine):
+    _check_formula(engine(name), CONFIGS[name])
 
 
 @pytest.mark.engine
-def test_engines_without_lanes_hold_no_lane_memory(plain_llm, pool_only_llm):
-    for llm in (plain_llm, pool_only_llm):
+def test_engines_without_lanes_hold_no_lane_memory(plain_llm, engine):
+    for llm in (plain_llm, engine("pool-tree")):
         (layers,) = llm.collective_rpc(layer_lane_bytes)
         assert layers and all(held == 0 for held, *_ in layers)
 

@@ -1,7 +1,7 @@
-"""The runner-up table on the real engine: filled from the logits vLLM samples from,
-under the tokens fed at their positions; drafts from it leave greedy tokens and the
-sampled distribution exactly plain vLLM's (conftest's RUNNER_UP_SPEC: the pool has no
-prompt n-grams, so the table drafts early, as spines and as tree branches)."""
+"""The runner-up table on the real engine is filled from the logits vLLM samples from,
+under the tokens fed at their positions (tests/engine_configs.py's ``runner-up``: the
+pool has no prompt n-grams, so the table drafts early, as spines and as tree branches;
+tests/test_engine.py checks its tokens and sampled distribution)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_fafo.metrics import collect_metrics
 from vllm_fafo.runner_up import EMPTY
 
-from .conftest import RUNNER_UP_SPEC
-from .engine_utils import (
-    assert_concurrent_identical,
-    assert_same_tokens,
-    generate_one_by_one,
-    greedy,
-    token_ids,
-)
-from .test_sampling import assert_same_distribution, sample
+from .engine_configs import RUNNER_UP_SPEC
+from .engine_utils import greedy
 
 pytestmark = pytest.mark.engine
 
@@ -63,7 +55,8 @@ def _take_records(salt: str):
     return take
 
 
-def test_table_holds_the_top_tokens_of_the_logits_vllm_sampled_from_under_the_tokens_fed(runner_up_llm, mtbench):
+def test_table_holds_the_top_tokens_of_the_logits_vllm_sampled_from_under_the_tokens_fed(engine, mtbench):
+    runner_up_llm = engine("runner-up")
     salt = f"table-{uuid.uuid4()}"
     prompts = mtbench[:3]
     runner_up_llm.collective_rpc(_record_logits)
@@ -90,25 +83,3 @@ def test_table_holds_the_top_tokens_of_the_logits_vllm_sampled_from_under_the_to
             reference[token] = row
     assert checked >= 3 * 48 // 4  # a draft accepted whole covers several tokens in one row
     np.testing.assert_array_equal(table, reference)
-
-
-def test_batch1_identical_to_plain_with_runner_up_drafts_accepted(runner_up_llm, plain_batch1_tokens, mtbench):
-    before = collect_metrics(runner_up_llm)
-    got = token_ids(generate_one_by_one(runner_up_llm, mtbench[:4], greedy(128)))
-    assert_same_tokens(plain_batch1_tokens[:4], got)
-    after = collect_metrics(runner_up_llm)
-    assert after["accepted_tokens"]["runner_up"] > before["accepted_tokens"]["runner_up"]
-    assert after["branch_wins"] > before["branch_wins"]
-
-
-def test_concurrent_requests_identical_to_plain(plain_llm, runner_up_llm, mtbench):
-    assert_concurrent_identical(plain_llm, runner_up_llm, mtbench[:8])
-
-
-def test_samples_from_plain_vllms_distribution(plain_samples, runner_up_llm):
-    before = collect_metrics(runner_up_llm)
-    got = sample(runner_up_llm, seed0=10_000)
-    after = collect_metrics(runner_up_llm)
-    assert after["accepted_tokens"]["runner_up"] > before["accepted_tokens"]["runner_up"]
-    assert after["branch_wins"] > before["branch_wins"]  # sampled acceptance of branches ran too
-    assert_same_distribution(plain_samples, got)

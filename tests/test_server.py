@@ -1,7 +1,8 @@
-"""`vllm serve` with the FAFO config answers like a server without it.
+"""`vllm serve` with the FAFO config answers what plain vLLM answers.
 
-Both servers run as real `vllm serve` processes on 127.0.0.1 (engine in its
-own process, as users run it); the plugin is found through its entry point.
+The server runs as a real `vllm serve` process on 127.0.0.1 (engine in its own
+process, as users run it; the plugin found through its entry point); the reference
+is the session's in-process plain engine, under the same row-invariant settings.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.soak import VllmServer, vllm_command
+
+from .engine_utils import greedy
 
 pytestmark = pytest.mark.engine
 
@@ -49,17 +52,13 @@ class Server(VllmServer):
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("servers")
-    plain = Server(model_dir, [], str(logs / "plain.log"))
+def server(model_dir, tmp_path_factory):
     fafo = Server(model_dir, ["--speculative-config", json.dumps({"method": "fafo"})],
-                  str(logs / "fafo.log"))
+                  str(tmp_path_factory.mktemp("server") / "fafo.log"))
     try:
-        plain.wait_ready()
         fafo.wait_ready()
-        yield plain, fafo
+        yield fafo
     finally:
-        plain.stop()
         fafo.stop()
 
 
@@ -71,25 +70,22 @@ def _chat_body() -> dict:
     return {"model": "smollm2", "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
 
 
-def test_completions_same_text(servers):
-    plain, fafo = servers
-    want = plain.post("/v1/completions", _completion_body())["choices"][0]["text"]
-    have = fafo.post("/v1/completions", _completion_body())["choices"][0]["text"]
+def test_completions_same_text(server, plain_llm):
+    want = plain_llm.generate([PROMPT], greedy(MAX_TOKENS), use_tqdm=False)[0].outputs[0].text
+    have = server.post("/v1/completions", _completion_body())["choices"][0]["text"]
     assert have == want and want
-    assert fafo.stream("/v1/completions", _completion_body()) == want
+    assert server.stream("/v1/completions", _completion_body()) == want
 
 
-def test_chat_completions_same_text(servers):
-    plain, fafo = servers
-    want = plain.post("/v1/chat/completions", _chat_body())["choices"][0]["message"]["content"]
-    have = fafo.post("/v1/chat/completions", _chat_body())["choices"][0]["message"]["content"]
+def test_chat_completions_same_text(server, plain_llm):
+    want = plain_llm.chat(CHAT, greedy(MAX_TOKENS), use_tqdm=False)[0].outputs[0].text
+    have = server.post("/v1/chat/completions", _chat_body())["choices"][0]["message"]["content"]
     assert have == want and want
-    assert fafo.stream("/v1/chat/completions", _chat_body()) == want
+    assert server.stream("/v1/chat/completions", _chat_body()) == want
 
 
-def test_fafo_server_speculates(servers):
-    _, fafo = servers
-    metrics = requests.get(fafo.url + "/metrics", timeout=30).text
+def test_fafo_server_speculates(server):
+    metrics = requests.get(server.url + "/metrics", timeout=30).text
     accepted = [
         float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
         if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
@@ -110,10 +106,10 @@ def _total(samples: dict, name: str) -> float:
     return sum(value for (sample, _), value in samples.items() if sample == name)
 
 
-def test_fafo_counters_on_metrics_next_to_vllms(servers):
+def test_fafo_counters_on_metrics_next_to_vllms(server):
     """FAFO's counters reach the front process's /metrics with vLLM's labels, and its
     accepted tokens by origin add up to vLLM's own accepted-token counter."""
-    plain, fafo = servers
+    fafo = server
     fafo.post("/v1/completions", _completion_body())
     deadline = time.time() + 30
     while True:  # the worker publishes about once a second and when it goes idle
@@ -127,7 +123,6 @@ def test_fafo_counters_on_metrics_next_to_vllms(servers):
     assert samples[("vllm:fafo_propose_calls_total", labels)] > 0
     assert 0 < samples[("vllm:fafo_pool_hits_total", labels)] <= samples[("vllm:fafo_lookups_total", labels)]
     assert samples[("vllm:fafo_requests_tracked", labels)] == 0  # idle again
-    assert not any(name.startswith("vllm:fafo_") for name, _ in _samples(plain))
 
 
 def test_bad_config_fails_fast_with_its_message(model_dir, tmp_path):

@@ -17,13 +17,12 @@ def _shared_counts(llm) -> tuple[int, int]:
 
 
 @pytest.mark.engine
-def test_a_tenant_drafts_from_its_earlier_request_and_no_salt_sees_another(
-    pool_only_llm, mtbench, plain_batch1_tokens
-):
+def test_a_tenant_drafts_from_its_earlier_request_and_no_salt_sees_another(engine, mtbench, plain_run):
     """The same question three times: under a new salt nothing comes from the shared
     pool (the tenant's pool holds only the request's own text, which its own pool
     answers first); under the first request's salt the earlier answer is drafted."""
-    prompt, expected = mtbench[0], plain_batch1_tokens[0]
+    pool_only_llm = engine("pool-tree")
+    prompt, expected = mtbench[0], plain_run.tokens("greedy-0")[:128]
     first, other = f"a-{uuid.uuid4()}", f"b-{uuid.uuid4()}"
     runs = []
     for salt in (first, other, first):

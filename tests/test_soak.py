@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+"""Slow: a minute of load on a server of its own (benchmarks/soak.py measures it; the
+in-process churn tests check aborts and freed state in CI)."""
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RSS_GROWTH_KIB_PER_TOKEN = 96

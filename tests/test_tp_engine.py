@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import LANES_SPEC
+from .engine_configs import LANES_SPEC
 from .engine_process import run_case
 from .engine_utils import assert_same_tokens
 

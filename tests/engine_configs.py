@@ -1,0 +1,65 @@
+"""Every engine configuration the engine tests run, one in-process engine each.
+
+Each configuration's engine runs the mixed call (tests/mixed_workload.py) once; its
+tests read that run and, where a check needs a call of its own (a salt, an abort, a
+spy on the worker), make it on the same engine. Configurations were merged where one
+engine covers two (deep matches are the default text source, so the lanes engine
+drafts from them; trees with lanes cover the ``fafo with lanes`` tree mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LANES_SPEC = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,
+              "controller": "fixed", "num_speculative_tokens": 4}
+"""Lanes pinned on (the goodput controller would turn them off where they do not pay), a
+64-token region so every prompt overflows it and the window's ring wraps, the default
+text source (deep matches), 4-token drafts (sampled requests pay every draft token)."""
+
+TREE_SPEC = {**LANES_SPEC, "num_candidates": 4}
+"""Lanes and up to three branches next to each spine, every one run (fixed controller)."""
+
+RUNNER_UP_SPEC = {"method": "fafo", "num_lanes": 0, "seed_from_prompt": False, "runner_up_tokens": 4,
+                  "num_candidates": 4, "num_speculative_tokens": 4, "controller": "fixed", "prior_table": "off"}
+"""The target's runner-up tokens as a draft source: the prompt is not filed in the pool,
+so early drafts come from the runner-up table (spines where the pool has nothing, and
+branches at the current token); a tree, every branch run. No prior table: it would
+draft where the pool has nothing, before the runner-up chain."""
+
+POOL_TREE_SPEC = {"method": "fafo", "num_lanes": 0, "text_source": "pool", "num_candidates": 4}
+"""The n-gram pool alone (no deep matches, no lanes), with draft trees sized by the
+goodput controller."""
+
+FROZEN_TABLE = object()
+"""Stands for the path of the Cacheback frozen table the session builds."""
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {"method": "fafo"},
+    "lanes": LANES_SPEC,
+    "pool-tree": POOL_TREE_SPEC,
+    "suffix-tree": {**LANES_SPEC, "text_source": "suffix_tree"},
+    "tree": TREE_SPEC,
+    "runner-up": RUNNER_UP_SPEC,
+    "quest": {**LANES_SPEC, "compression": "quest", "kv_budget": 96, "quest_page_size": 16,
+              "quest_recent_tokens": 32, "quest_refresh_steps": 2},
+    "snapkv": {**LANES_SPEC, "compression": "snapkv", "kv_budget": 64, "snapkv_window": 16,
+               "snapkv_recent_tokens": 24},
+    "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6, "num_candidates": 4},
+    "cacheback": {"method": "cacheback", "frozen_table": FROZEN_TABLE, "num_candidates": 4},
+    "chunked-prefill": LANES_SPEC,
+}
+"""name -> speculative_config. Quest's and SnapKV's budgets are well below the prompts'
+lengths, so every policy has to choose."""
+
+ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "chunked-prefill": {"max_num_batched_tokens": 32, "max_num_seqs": 4},
+}
+"""Engine arguments beyond tests/engine_utils.py's, per configuration."""
+
+SAMPLED = ("default", "lanes", "suffix-tree", "tree", "runner-up")
+"""Configurations whose mixed call carries sampled requests: every acceptance rule
+(chains, trees, the goodput controller's cut drafts; padded drafts in
+tests/test_padded_engine.py) and the draft sources (lanes, deep matches, the pools, the
+prior table, suffix trees, runner-up tokens). The modes and the compression policies
+verify through the same rules and sources."""

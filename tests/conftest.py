@@ -36,6 +36,7 @@ def pytest_configure(config):
     run_single_rows_as_two()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """``FAFO_TEST_ORDER_SEED=N``: run the collected tests in an order shuffled with seed N
     (the identity tests must pass whatever ran before them in the process)."""

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-TP2_CONCURRENT_PROMPTS = 4
-TP2_BATCH1_PROMPTS = 2
+TP2_CONCURRENT_PROMPTS = 3
+TP2_BATCH1_PROMPTS = 1
 LONG_MODEL_LEN = 16896
 """16k-token prompts plus what they generate."""
 LONG_CONTEXT_OVERRIDES = {"max_position_embeddings": LONG_MODEL_LEN}
@@ -56,9 +56,9 @@ def tp2(spec: dict | None) -> dict[str, Any]:
     llm = make_llm(str(smollm2_tp2_dir()), spec, tensor_parallel_size=2, distributed_executor_backend="mp",
                    kv_cache_memory_bytes=256 * 1024 * 1024)
     prompts = chat_prompts(llm, load_prompts("mtbench", TP2_CONCURRENT_PROMPTS + TP2_BATCH1_PROMPTS))
-    params = [greedy(48 + 16 * i) for i in range(TP2_CONCURRENT_PROMPTS)]
+    params = [greedy(32 + 8 * i) for i in range(TP2_CONCURRENT_PROMPTS)]
     tokens = token_ids(llm.generate(prompts[:TP2_CONCURRENT_PROMPTS], params, use_tqdm=False))
-    tokens += token_ids(generate_one_by_one(llm, prompts[TP2_CONCURRENT_PROMPTS:], greedy(48)))
+    tokens += token_ids(generate_one_by_one(llm, prompts[TP2_CONCURRENT_PROMPTS:], greedy(32)))
     return {"tokens": tokens, "snapshots": None if spec is None else llm.collective_rpc(worker_metrics)}
 
 
@@ -86,8 +86,8 @@ def long16k(spec: dict | None) -> dict[str, Any]:
 
 
 WINDOW = 48
-WINDOWED_PROMPTS = 4
-WINDOWED_MAX_TOKENS = 160
+WINDOWED_PROMPTS = 2
+WINDOWED_MAX_TOKENS = 80
 
 
 def windowed(spec: dict | None) -> dict[str, Any]:
@@ -142,7 +142,7 @@ def sampled(spec: dict | None) -> dict[str, Any]:
     llm = make_llm(str(smollm2_dir()), spec)
     workload = mixed_workload(llm.get_tokenizer(), chat_prompts(llm, load_prompts("mtbench", 20)),
                               load_prompts("mtbench", 3), load_prompts("humaneval", 40), PADDED_SEED0, ENGINE_SAMPLES)
-    sampled_only = [i for i, label in enumerate(workload.labels) if label.startswith("sample-")]
+    sampled_only = [i for i, label in enumerate(workload.labels) if label.startswith("sample-") or label == "primer"]
     workload = type(workload)(*([getattr(workload, f)[i] for i in sampled_only] for f in ("prompts", "params", "labels")))
     return {"samples": run_mixed(llm, workload, fafo=False).samples}
 

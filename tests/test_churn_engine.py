@@ -39,7 +39,7 @@ def _preemptions(llm) -> float:
 
 def test_preempted_requests_resume_identical_to_plain(plain_llm, tight_lanes_llm, mtbench):
     prompts = mtbench[:8]
-    params = [greedy(160 + 16 * i) for i in range(len(prompts))]
+    params = [greedy(96 + 8 * i) for i in range(len(prompts))]
     expected = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
     before = _preemptions(tight_lanes_llm)
     got = token_ids(tight_lanes_llm.generate(prompts, params, use_tqdm=False))

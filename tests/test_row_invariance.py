@@ -54,12 +54,13 @@ def _rows_moved(split_kv: bool, threads: int) -> int:
             rows = torch.randn(rng.randint(1, min(seq_len, MAX_STEP_TOKENS)), heads, dim)
             request = (bench.blocks_for(1, seq_len), seq_len, rows)
             alone = attention([request])[0]
-            budget, others, first_block = MAX_STEP_TOKENS - len(rows), [], 20
-            while budget > 0 and len(others) < 6:
+            blocks_per_request = -(-ENGINE_MAX_MODEL_LEN // bench.BLOCK_SIZE)
+            budget, others, first_block = MAX_STEP_TOKENS - len(rows), [], 1 + blocks_per_request
+            while budget > 0 and len(others) < 6:  # 7 requests' blocks within the cache's 64
                 num_rows = rng.randint(1, budget)
                 other_len = rng.randint(num_rows, ENGINE_MAX_MODEL_LEN)
                 others.append((bench.blocks_for(first_block, other_len), other_len, torch.randn(num_rows, heads, dim)))
-                first_block, budget = first_block + 8, budget - num_rows
+                first_block, budget = first_block + blocks_per_request, budget - num_rows
             where = rng.randint(0, len(others))
             moved += not torch.equal(attention([*others[:where], request, *others[where:]])[where], alone)
             if len(rows) <= 16:  # a verification's rows against decoding steps of one row each

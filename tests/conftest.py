@@ -75,15 +75,11 @@ def mtbench(plain_llm):
 
 
 @pytest.fixture(scope="session")
-def workload(plain_llm, mtbench):
+def workload(plain_llm):
     """The mixed call (tests/mixed_workload.py) with ``num_samples`` sampled requests seeded from ``seed0``."""
-    from vllm_fafo.assets import load_prompts
+    from .mixed_workload import session_workload
 
-    from .mixed_workload import mixed_workload
-
-    texts, code = load_prompts("mtbench", 3), load_prompts("humaneval", 40)
-    return lambda seed0, num_samples: mixed_workload(plain_llm.get_tokenizer(), mtbench, texts, code, seed0,
-                                                     num_samples)
+    return lambda seed0, num_samples: session_workload(plain_llm.get_tokenizer(), seed0, num_samples)
 
 
 @pytest.fixture(scope="session")

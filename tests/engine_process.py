@@ -115,36 +115,33 @@ PADDED_SEED0 = 990_000
 def padded(spec: dict | None) -> dict[str, Any]:
     """SmolLM2 with padded drafts (tests/test_padded_engine.py): the mixed call of
     tests/mixed_workload.py (tokens by label) and FAFO's counters around it."""
-    bind_threads_to_all_cpus()
-    from vllm_fafo.assets import load_prompts, smollm2_dir
+    from .mixed_workload import run_mixed
 
-    from .conftest import ENGINE_SAMPLES
-    from .engine_utils import chat_prompts, make_llm
-    from .mixed_workload import mixed_workload, run_mixed
-
-    llm = make_llm(str(smollm2_dir()), spec)
-    workload = mixed_workload(llm.get_tokenizer(), chat_prompts(llm, load_prompts("mtbench", 20)),
-                              load_prompts("mtbench", 3), load_prompts("humaneval", 40), PADDED_SEED0, ENGINE_SAMPLES)
+    llm, workload = _smollm2_and_workload(spec)
     run = run_mixed(llm, workload)
     return {"tokens": {label: run.tokens(label) for label in run.outputs},
             "metrics_before": run.metrics_before, "metrics_after": run.metrics_after}
 
 
 def sampled(spec: dict | None) -> dict[str, Any]:
-    """Only the mixed call's sampled requests (tests/test_sampling_stats.py's engine check)."""
+    """Only the mixed call's sampled requests, after their primer (tests/test_sampling_stats.py)."""
+    from .mixed_workload import is_sample, run_mixed
+
+    llm, workload = _smollm2_and_workload(spec)
+    return {"samples": run_mixed(llm, workload.keep(lambda label: label == "primer" or is_sample(label)),
+                                 fafo=False).samples}
+
+
+def _smollm2_and_workload(spec: dict | None):
     bind_threads_to_all_cpus()
-    from vllm_fafo.assets import load_prompts, smollm2_dir
+    from vllm_fafo.assets import smollm2_dir
 
     from .conftest import ENGINE_SAMPLES
-    from .engine_utils import chat_prompts, make_llm
-    from .mixed_workload import mixed_workload, run_mixed
+    from .engine_utils import make_llm
+    from .mixed_workload import session_workload
 
     llm = make_llm(str(smollm2_dir()), spec)
-    workload = mixed_workload(llm.get_tokenizer(), chat_prompts(llm, load_prompts("mtbench", 20)),
-                              load_prompts("mtbench", 3), load_prompts("humaneval", 40), PADDED_SEED0, ENGINE_SAMPLES)
-    sampled_only = [i for i, label in enumerate(workload.labels) if label.startswith("sample-") or label == "primer"]
-    workload = type(workload)(*([getattr(workload, f)[i] for i in sampled_only] for f in ("prompts", "params", "labels")))
-    return {"samples": run_mixed(llm, workload, fafo=False).samples}
+    return llm, session_workload(llm.get_tokenizer(), PADDED_SEED0, ENGINE_SAMPLES)
 
 
 CASES = {"tp2": tp2, "long16k": long16k, "windowed": windowed, "padded": padded, "sampled": sampled}

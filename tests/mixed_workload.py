@@ -12,6 +12,7 @@ once, and each test of the configuration reads the result.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from vllm_fafo.assets import chat_prompt
@@ -42,12 +43,28 @@ class Workload:
     labels: list[str]
     """``greedy-<i>``, ``eos``, ``stop``, ``near-max-len``, ``primer`` or ``sample-<i>``."""
 
+    def keep(self, wanted: Callable[[str], bool]) -> Workload:
+        """The requests whose label is ``wanted``, in order."""
+        rows = [i for i, label in enumerate(self.labels) if wanted(label)]
+        return Workload(*([getattr(self, f)[i] for i in rows] for f in ("prompts", "params", "labels")))
+
     def split(self) -> tuple[Workload, Workload]:
         """(everything but the sampled requests, the sampled requests)."""
-        sampled = [label.startswith("sample-") for label in self.labels]
-        parts = [[i for i, s in enumerate(sampled) if s == want] for want in (False, True)]
-        return tuple(Workload(*([getattr(self, f)[i] for i in part] for f in ("prompts", "params", "labels")))
-                     for part in parts)
+        return self.keep(lambda label: not is_sample(label)), self.keep(is_sample)
+
+
+def is_sample(label: str) -> bool:
+    return label.startswith("sample-")
+
+
+def session_workload(tokenizer, seed0: int, num_samples: int) -> Workload:
+    """:func:`mixed_workload` on the suite's prompts (the first 20 MT-Bench questions in
+    the chat template, 3 as filler text, 40 HumanEval problems)."""
+    from vllm_fafo.assets import load_prompts
+
+    mtbench = [chat_prompt(tokenizer, text) for text in load_prompts("mtbench", 20)]
+    return mixed_workload(tokenizer, mtbench, load_prompts("mtbench", 3), load_prompts("humaneval", 40), seed0,
+                          num_samples)
 
 
 def mixed_workload(tokenizer, mtbench: list[str], mtbench_texts: list[str], humaneval: list[str], seed0: int,
@@ -93,11 +110,11 @@ class MixedRun:
 
     @property
     def greedy_labels(self) -> list[str]:
-        return [label for label in self.outputs if not label.startswith("sample-")]
+        return [label for label in self.outputs if not is_sample(label)]
 
     @property
     def samples(self) -> list[list[int]]:
-        return [list(o.token_ids) for label, o in self.outputs.items() if label.startswith("sample-")]
+        return [list(o.token_ids) for label, o in self.outputs.items() if is_sample(label)]
 
     def grew(self, *keys: str) -> Any:
         """A FAFO counter's growth over the call (nested keys: ``grew("accepted_tokens", "lane")``)."""
@@ -117,11 +134,11 @@ def run_mixed(llm, workload: Workload, fafo: bool = True) -> MixedRun:
     from vllm_fafo.metrics import collect_metrics
 
     before = collect_metrics(llm) if fafo else None
-    outputs = []
+    outputs, labels = [], []
     for part in workload.split():
         if part.prompts:
             outputs += llm.generate(part.prompts, part.params, use_tqdm=False)
+            labels += part.labels
     after = collect_metrics(llm) if fafo else None
-    labels = [label for part in workload.split() for label in part.labels]
     return MixedRun({label: out.outputs[0] for label, out in zip(labels, outputs)}, before, after)
 

@@ -19,7 +19,6 @@ free up to a KNEE of tokens), not on the wall clock: its choices, and so the
 host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
-    python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --text-source suffix_tree
     python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
 
 ``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
@@ -40,10 +39,8 @@ import numpy as np
 from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.pool import RANKINGS
 from vllm_fafo.prior_table import DEFAULT_WIDTH, PriorTable
 from vllm_fafo.proposer import FafoProposer
-from vllm_fafo.suffix_tree import TEXT_SOURCES
 
 CPU_LIKE_COST_MS = (52.0, 3.3, 3.3)
 """A 2-core CPU running SmolLM2 in float32 (replay_pool.py's CPU-like curve)."""
@@ -85,17 +82,15 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
     ))
 
 
-def measure(batch: int, history_len: int, steps: int, controller: str, text_source: str = FafoConfig.text_source,
-            seed: int = 0, cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
-            text_ngram_len: int = FafoConfig.text_ngram_len,
+def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0,
+            cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
-            gc_pauses: bool = False, rank_candidates: str = FafoConfig.rank_candidates) -> dict:
+            gc_pauses: bool = False) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too."""
-    config = FafoConfig(num_lanes=0, controller=controller, text_source=text_source, text_ngram_len=text_ngram_len,
-                        num_speculative_tokens=num_speculative_tokens, pad_drafts=pad_drafts, prior_table="off",
-                        rank_candidates=rank_candidates)
+    config = FafoConfig(num_lanes=0, controller=controller, num_speculative_tokens=num_speculative_tokens,
+                        pad_drafts=pad_drafts, prior_table="off")
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
     rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
@@ -175,12 +170,8 @@ def main() -> None:
     parser.add_argument("--history", default="128,1024,8192,65536", help="prompt tokens per request, comma-separated")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--controller", default="goodput", choices=("goodput", "fixed"))
-    parser.add_argument("--text-source", default=FafoConfig.text_source, choices=TEXT_SOURCES)
-    parser.add_argument("--text-ngram-len", type=int, default=FafoConfig.text_ngram_len,
-                        help="length of the candidates filed from the text (0: num_speculative_tokens)")
     parser.add_argument("--num-speculative-tokens", type=int, default=FafoConfig.num_speculative_tokens)
     parser.add_argument("--pad-drafts", action="store_true", help="pad_drafts (needs --controller fixed)")
-    parser.add_argument("--rank-candidates", default=FafoConfig.rank_candidates, choices=RANKINGS)
     parser.add_argument("--gc-pauses", action="store_true",
                         help="freeze the heap first (as vLLM does) and report the full garbage collections")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
@@ -188,20 +179,18 @@ def main() -> None:
                              "(milliseconds; KNEE: tokens a forward takes at STEP's price, as in replay_pool.py)")
     args = parser.parse_args()
     cost_ms = args.cost_ms
-    print(f"controller {args.controller}, text source {args.text_source}, text n-grams {args.text_ngram_len or 'k'}, "
+    print(f"controller {args.controller}, "
           f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
-          f"candidates ranked by {args.rank_candidates}, "
           f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
-    options = {"cost_ms": cost_ms, "text_ngram_len": args.text_ngram_len,
-               "num_speculative_tokens": args.num_speculative_tokens, "pad_drafts": args.pad_drafts,
-               "rank_candidates": args.rank_candidates}
-    measure(1, 128, 100, args.controller, args.text_source, **options)  # the process's first steps run slower
+    options = {"cost_ms": cost_ms, "num_speculative_tokens": args.num_speculative_tokens,
+               "pad_drafts": args.pad_drafts}
+    measure(1, 128, 100, args.controller, **options)  # the process's first steps run slower
     gc_columns = " full collections | longest pause ms | tracked objects after |" if args.gc_pauses else ""
     print(f"| batch | history tokens | us per step | us per request-step | tau | slowest step ms |{gc_columns}")
     print("|---" * (6 + 3 * args.gc_pauses) + "|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
-            result = measure(batch, length, args.steps, args.controller, args.text_source, gc_pauses=args.gc_pauses,
+            result = measure(batch, length, args.steps, args.controller, gc_pauses=args.gc_pauses,
                              **options)
             gc_cells = (f" {result['full_collections']} | {result['longest_pause_ms']:.1f} | {result['tracked_objects']} |"
                         if args.gc_pauses else "")

@@ -3,8 +3,8 @@
 A matrix run keeps every cell's tokens; its ``none`` cell is what plain vLLM
 decoded. Under greedy decoding a draft is accepted up to its first token that
 differs from that text, so replaying the text through the proposer's own
-pool code (``file_new_ngrams``, ``chain_draft``, the shared pool, and with
-``"text_source": "suffix_tree"`` the suffix trees first) gives the tau
+pool code (``file_new_ngrams``, the deep matches and ``chain_draft``, the
+shared pool) gives the tau
 of any pool setting in seconds, without an engine: how long drafts could be,
 which key length, how many candidates per key, sharing on or off. Drafts are
 not cut: this is the tau the goodput controller starts from (it cuts drafts
@@ -49,15 +49,6 @@ regime where tokens are free; trees are replayed uncut only): where the
 spine stops at node j, the branch off j that the text follows furthest is
 accepted too.
 
-The target's runner-up tokens (``"runner_up_tokens"`` in a setting) need its
-logits: ``--logits`` runs the model (transformers, float32) once over each
-request's prompt and plain vLLM's output and keeps its top tokens at every
-position; the replay files, before each forward, the positions the engine's
-forwards have computed by then (the prefill's last prompt token, then every
-decoded token but the newest) under the token there, as ``take_logits`` files
-them. The engine also files the positions of rejected draft tokens (the
-first one's prediction follows the right text, the rest follow a wrong
-token); the replay does not, so it undercounts what the table holds.
 """
 
 from __future__ import annotations
@@ -85,19 +76,19 @@ from vllm_fafo.proposer import (
     request_draft,
     request_pool,
     shared_pools,
-    suffix_trees,
+    tenant_texts,
 )
-from vllm_fafo.runner_up import RunnerUpTable
-from vllm_fafo.suffix_tree import MAX_SPEC_FACTOR, MIN_TOKEN_PROB, TREE_DEPTH, require_suffix_trees
 from vllm_fafo.tree import Branch, grow_branches
+
+SUFFIX_TREE_DEPTH = 24
+"""vLLM 0.32.0's ``suffix_decoding_max_tree_depth`` default (and its draft length)."""
 
 
 class _Running:
     """One request being replayed: its text (prompt + plain vLLM's output) and how far it got.
     (A plain class: the tests load this script by path, where dataclasses cannot find its module.)"""
 
-    def __init__(self, req_id: str, history: np.ndarray, prompt_len: int, output: list[int],
-                 top_tokens: np.ndarray | None = None) -> None:
+    def __init__(self, req_id: str, history: np.ndarray, prompt_len: int, output: list[int]) -> None:
         self.req_id = req_id
         self.history = history  # prompt and output; read only up to the tokens decoded so far
         self.prompt_len = prompt_len
@@ -105,25 +96,13 @@ class _Running:
         self.done = 1  # output tokens decoded: the prefill's forward gave the first
         self.pools: tuple = ()
         self.next_anchor = 0
-        self.top_tokens = top_tokens  # the target's top next tokens after each position of history
-        self.runner_ups: RunnerUpTable | None = None
-        self.filed = prompt_len - 1  # next position whose top tokens go into runner_ups
-
-    def file_runner_ups(self) -> None:
-        """File the positions the engine's forwards computed logits for by now: all
-        but the newest token's (the next forward computes it)."""
-        end = self.num_tokens - 1
-        if self.runner_ups is not None and end > self.filed:
-            self.runner_ups.update(self.history[self.filed : end], self.top_tokens[self.filed : end])
-            self.filed = end
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.done
 
 
-def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int,
-              top_tokens: Sequence[np.ndarray] | None = None) -> Iterator[tuple[str, Any]]:
+def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int) -> Iterator[tuple[str, Any]]:
     """Run the requests ``batch_size`` at a time, in order, as vLLM schedules a batch of
     them: a new one starts as soon as one finishes. Yields ("start", request) when a
     request's prefill ran, ("step", running requests) per decoding forward (the caller
@@ -133,8 +112,7 @@ def scheduled(requests: list[tuple[list[int], list[int]]], batch_size: int,
     while waiting or running:
         while waiting and len(running) < batch_size:
             index, (prompt, output) = waiting.pop(0)
-            running.append(_Running(str(index), np.array([*prompt, *output], dtype=np.int32), len(prompt), output,
-                                    None if top_tokens is None else top_tokens[index]))
+            running.append(_Running(str(index), np.array([*prompt, *output], dtype=np.int32), len(prompt), output))
             yield "start", running[-1]
         decoding = [request for request in running if request.done < len(request.output)]
         if decoding:
@@ -153,7 +131,6 @@ def new_controller(config: FafoConfig) -> GoodputController:
 def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
            cost_ms: tuple[float, ...] | None = None, batch_size: int = 1,
            controller: GoodputController | None = None, oracle: bool = False,
-           top_tokens: Sequence[np.ndarray] | None = None, vocab_size: int = 0,
            prior: PriorTable | None = None, noise: StepNoise | None = None) -> dict[str, float]:
     """tau (tokens per forward) and draft tokens per forward of ``config``'s pool over
     (prompt ids, plain vLLM's output ids) pairs, ``batch_size`` requests at a time
@@ -172,15 +149,11 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     :func:`~vllm_fafo.pool.alternatives_in`), the one the text follows furthest: the
     tau a perfect ranking of the candidates at hand would reach (uncut, spine only).
 
-    ``top_tokens``: per request, the target's top next tokens at each position of
-    prompt + output (:func:`target_top_tokens`, at least ``runner_up_tokens`` wide),
-    over a vocabulary of ``vocab_size``; needed where ``runner_up_tokens`` > 0.
-
     ``prior``: the prior table drafted from where the pools miss, as the engine's
     proposer does (:func:`prior_table`)."""
     shared = shared_pools(config)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
-    trees = suffix_trees(config)
+    texts = tenant_texts(config)
     if cost_ms is None and controller is not None:
         raise ValueError("replay: a controller cuts drafts only on a step cost; pass cost_ms with it")
     if cost_ms is not None and controller is None:
@@ -192,35 +165,22 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     if grows_trees and cost_ms is not None:
         raise ValueError("replay: draft trees are replayed uncut (every branch runs); drop cost_ms or "
                          "set num_candidates to 1")
-    runner_ups = None
-    if config.runner_up_tokens:
-        if top_tokens is None or len(top_tokens) != len(requests) or vocab_size < 1:
-            raise ValueError("replay: runner_up_tokens > 0 needs the target's top tokens per request and the "
-                             "vocabulary size (--logits)")
-        if any(top.shape[1] < config.runner_up_tokens for top in top_tokens):
-            raise ValueError(f"replay: top tokens narrower than runner_up_tokens={config.runner_up_tokens}")
-        top_tokens = [np.ascontiguousarray(top[:, : config.runner_up_tokens]) for top in top_tokens]
-        # one table per tenant (every replayed request is unsalted), or per request without sharing
-        runner_ups = RunnerUpTable(vocab_size, config.runner_up_tokens) if config.share_pool else None
     fallbacks = () if prior is None else (prior,)
     judge = DraftJudge(k)
     forwards = tokens = drafted = branch_tokens = accepted_off_spine = 0
     seconds = 0.0
-    for event, payload in scheduled(requests, batch_size, top_tokens if config.runner_up_tokens else None):
+    for event, payload in scheduled(requests, batch_size):
         if event == "start":
             request = payload
             request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
-            if config.runner_up_tokens:
-                request.runner_ups = (runner_ups if runner_ups is not None
-                                      else RunnerUpTable(vocab_size, config.runner_up_tokens))
             request.next_anchor = first_anchor(config, request.prompt_len)
-            if trees is not None:
-                trees.start(request.req_id, None, request.history[: request.prompt_len])
+            if texts is not None:
+                texts.start(request.req_id, None, request.history[: request.prompt_len])
             forwards += 1  # the prefill's forward gives the first token
             continue
         if event == "finish":
-            if trees is not None:
-                trees.stop(payload.req_id)
+            if texts is not None:
+                texts.stop(payload.req_id)
             judge.forget([payload.req_id])
             tokens += len(payload.output)
             continue
@@ -229,10 +189,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         for request in running:
             request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
                                                   request.num_tokens, request.prompt_len)
-            request.file_runner_ups()
             context = key_context(request.history, request.num_tokens, max_key_len)
             contexts.append(context)
-            draft, _, key_len = request_draft(trees, request.pools, fallbacks, request.runner_ups, request.req_id,
+            draft, _, key_len = request_draft(texts, request.pools, fallbacks, request.req_id,
                                               request.history, request.num_tokens, context, k)
             if oracle:
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
@@ -248,7 +207,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         accepted = []
         for request, draft, context in zip(running, drafts, contexts):
             branches = () if not grows_trees else grow_branches(
-                request.pools, context, draft, config.num_candidates - 1, config.tree_tokens - len(draft), request.runner_ups)
+                request.pools, context, draft, config.num_candidates - 1, config.tree_tokens - len(draft))
             branch_tokens += sum(len(branch.tokens) for branch in branches)
             on_spine, off_spine = advance_tree(request, draft, branches)
             accepted.append(on_spine)
@@ -390,7 +349,9 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]], cost_ms: tup
     by a controller. (On a matrix run's batch-1 cells its tau equals the engine's.)
     ``noise``: its forwards' times scatter as :func:`replay`'s do."""
     scatter = step_scatter(noise, cost_ms)
-    cache = require_suffix_trees()(max_tree_depth=TREE_DEPTH, max_cached_requests=10000)
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=SUFFIX_TREE_DEPTH, max_cached_requests=10000)
     forwards = tokens = drafted = 0
     seconds = 0.0
     for event, payload in scheduled(requests, batch_size):
@@ -405,10 +366,10 @@ def replay_vllm_suffix(requests: list[tuple[list[int], list[int]]], cost_ms: tup
             tokens += len(payload.output)
             continue
         running = payload
-        drafts = [cache.speculate(request.req_id, request.history[max(0, request.num_tokens - TREE_DEPTH) :
+        drafts = [cache.speculate(request.req_id, request.history[max(0, request.num_tokens - SUFFIX_TREE_DEPTH) :
                                                                   request.num_tokens],
-                                  max_spec_tokens=TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,
-                                  min_token_prob=MIN_TOKEN_PROB).token_ids for request in running]
+                                  max_spec_tokens=SUFFIX_TREE_DEPTH, max_spec_factor=1.0,
+                                  min_token_prob=0.1).token_ids for request in running]
         for request, draft in zip(running, drafts):
             before = request.num_tokens
             advance(request, draft)
@@ -446,31 +407,6 @@ def load_requests(cells: Path, dataset: str) -> list[tuple[list[int], list[int]]
     return list(zip(prompts, cell["token_ids"]))
 
 
-def target_top_tokens(requests: list[tuple[list[int], list[int]]], width: int,
-                      model_dir: Path | None = None) -> tuple[list[np.ndarray], int, float]:
-    """The target's top ``width`` next tokens at every position of each request's
-    prompt + output (row p: after token p), from one float32 transformers forward
-    per request; the vocabulary size; and the share of output positions whose top
-    token is the output's next one (plain vLLM's greedy choice: 1.0 up to
-    rounding differences between the two implementations)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vllm_fafo.assets import smollm2_dir
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir or smollm2_dir(), dtype=torch.float32)
-    model.eval()
-    tops, agree, total = [], 0, 0
-    with torch.inference_mode():
-        for prompt, output in requests:
-            ids = torch.tensor([[*prompt, *output]])
-            top = torch.topk(model(ids).logits[0], width, dim=-1).indices.to(torch.int32).numpy()
-            tops.append(top)
-            agree += int((top[len(prompt) - 1 : len(prompt) - 1 + len(output), 0] == np.asarray(output)).sum())
-            total += len(output)
-    return tops, int(model.config.vocab_size), agree / max(total, 1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", required=True, help="a matrix.py --out folder with a batch-1 none cell")
@@ -487,9 +423,6 @@ def main() -> None:
                         help="also replay each setting with the best candidate at hand as the draft "
                              "(the text's own continuation picked among the pools' candidates): what a "
                              "perfect ranking would reach")
-    parser.add_argument("--logits", action="store_true",
-                        help="run the model over each request's text for its top tokens (needed by settings "
-                             "with runner_up_tokens > 0)")
     parser.add_argument("--cost-ms", default=None, type=cost_ms_argument,
                         help="STEP,FIRST,PER[,KNEE]: cut drafts with the goodput controller on this synthetic "
                              "step cost (KNEE: forwards of up to that many tokens cost STEP)")
@@ -517,14 +450,6 @@ def main() -> None:
         parser.error("--cost-ms: draft trees (num_candidates > 1) are replayed uncut only")
     if args.oracle and (trees or cost_ms is not None):
         parser.error("--oracle: ranks single drafts, uncut; drop --cost-ms and num_candidates > 1")
-    width = max((config.runner_up_tokens for _, config in settings), default=0)
-    if width and not args.logits:
-        parser.error("runner_up_tokens > 0 in a setting: add --logits (the target's top tokens are replayed)")
-    top_tokens, vocab_size = None, 0
-    if width:
-        top_tokens, vocab_size, agreement = target_top_tokens(requests, width)
-        print(f"target's top tokens: {width} per position; top token = plain vLLM's next one at "
-              f"{100 * agreement:.2f}% of output positions")
     cut = "uncut" if cost_ms is None else f"cut by the controller at {','.join(f'{v:g}' for v in cost_ms)} ms"
     if args.noise is not None:
         cut += f", scattered by {','.join(f'{v:g}' for v in args.noise[:3])}"
@@ -546,12 +471,11 @@ def main() -> None:
         prior = prior_table(config)
         for batch_size in batch_sizes:
             row(label, batch_size, replay(config, requests, cost_ms, batch_size, controller,
-                                          top_tokens=top_tokens, vocab_size=vocab_size, prior=prior,
+                                          prior=prior,
                                           noise=args.noise))
             if args.oracle:
                 row(f"{label}, best candidate at hand", batch_size, replay(config, requests, batch_size=batch_size,
-                                                                           oracle=True, top_tokens=top_tokens,
-                                                                           vocab_size=vocab_size, prior=prior))
+                                                                           oracle=True, prior=prior))
 
 
 if __name__ == "__main__":

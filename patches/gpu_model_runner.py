@@ -24,9 +24,7 @@ vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
    makes it right after) also computes the branch tokens' logits, handed to
    ``take_branch_logits`` with each request's ``sampling_params``;
    ``sample_tokens(grammar_output)``, before it: fails loudly if they were not.
-6. ``_sample(logits, spec_decode_metadata)``, before it (``runner_up_tokens`` >
-   0): ``take_logits`` gets the logits with the token fed at each row's position;
-   after it: ``accept_branches``
+6. ``_sample(logits, spec_decode_metadata)``, after it: ``accept_branches``
    may swap a request's sampled row for a branch that got further than the
    spine, before vLLM's bookkeeping reads the rows (seeded requests draw from
    their own generators, ``input_batch.generators``).
@@ -44,9 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import torch
-from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_fafo.fumble import BatchView
@@ -97,23 +93,6 @@ def _logits_with_branches(runner: GPUModelRunner, drafter: FafoProposer, branch_
         return logits[:real]
 
     model.compute_logits = compute_logits
-
-
-def _take_runner_ups(runner: GPUModelRunner, drafter: FafoProposer, logits: torch.Tensor,
-                     spec_decode_metadata: SpecDecodeMetadata | None) -> None:
-    """Hand the proposer the logits vLLM is about to sample from, with the token fed at
-    each row's position (``input_ids`` at vLLM's ``logits_indices``) and each request's
-    number of rows (its drafts + 1). vLLM 0.32.0 builds the metadata every step of an
-    engine with a speculative config."""
-    if spec_decode_metadata is None:
-        raise RuntimeError(
-            "vllm-fafo runner-up tokens: GPUModelRunner._sample got no spec_decode_metadata in a "
-            "speculative engine; vLLM changed under this release of vllm-fafo (written against vLLM 0.32.0)"
-        )
-    num_reqs = runner.input_batch.num_reqs
-    rows = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
-    drafter.take_logits(logits, runner.input_ids.gpu[spec_decode_metadata.logits_indices], rows,
-                        runner.input_batch.req_ids[:num_reqs])
 
 
 def apply() -> None:
@@ -222,8 +201,6 @@ def apply() -> None:
     @functools.wraps(original_sample)
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
         drafter = _fafo_drafter(self)
-        if drafter is not None and drafter.runner_ups is not None and logits is not None:
-            _take_runner_ups(self, drafter, logits, spec_decode_metadata)
         sampler_output = original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         if drafter is not None and spec_decode_metadata is not None:
             drafter.accept_branches(sampler_output.sampled_token_ids, self.input_batch.generators)

@@ -20,16 +20,9 @@ text source (deep matches), 4-token drafts (sampled requests pay every draft tok
 TREE_SPEC = {**LANES_SPEC, "num_candidates": 4}
 """Lanes and up to three branches next to each spine, every one run (fixed controller)."""
 
-RUNNER_UP_SPEC = {"method": "fafo", "num_lanes": 0, "seed_from_prompt": False, "runner_up_tokens": 4,
-                  "num_candidates": 4, "num_speculative_tokens": 4, "controller": "fixed", "prior_table": "off"}
-"""The target's runner-up tokens as a draft source: the prompt is not filed in the pool,
-so early drafts come from the runner-up table (spines where the pool has nothing, and
-branches at the current token); a tree, every branch run. No prior table: it would
-draft where the pool has nothing, before the runner-up chain."""
-
-POOL_TREE_SPEC = {"method": "fafo", "num_lanes": 0, "text_source": "pool", "num_candidates": 4}
-"""The n-gram pool alone (no deep matches, no lanes), with draft trees sized by the
-goodput controller."""
+POOL_TREE_SPEC = {"method": "fafo", "num_lanes": 0, "num_candidates": 4}
+"""No lanes: deep matches, the n-gram pool and the prior table, with draft trees sized by
+the goodput controller."""
 
 FROZEN_TABLE = object()
 """Stands for the path of the Cacheback frozen table the session builds."""
@@ -38,9 +31,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "default": {"method": "fafo"},
     "lanes": LANES_SPEC,
     "pool-tree": POOL_TREE_SPEC,
-    "suffix-tree": {**LANES_SPEC, "text_source": "suffix_tree"},
     "tree": TREE_SPEC,
-    "runner-up": RUNNER_UP_SPEC,
     "quest": {**LANES_SPEC, "compression": "quest", "kv_budget": 96, "quest_page_size": 16,
               "quest_recent_tokens": 32, "quest_refresh_steps": 2},
     "snapkv": {**LANES_SPEC, "compression": "snapkv", "kv_budget": 64, "snapkv_window": 16,
@@ -57,9 +48,9 @@ ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 """Engine arguments beyond tests/engine_utils.py's, per configuration."""
 
-SAMPLED = ("default", "lanes", "suffix-tree", "tree", "runner-up")
+SAMPLED = ("default", "lanes", "tree")
 """Configurations whose mixed call carries sampled requests: every acceptance rule
 (chains, trees, the goodput controller's cut drafts; padded drafts in
 tests/test_padded_engine.py) and the draft sources (lanes, deep matches, the pools, the
-prior table, suffix trees, runner-up tokens). The modes and the compression policies
+prior table). The modes and the compression policies
 verify through the same rules and sources."""

@@ -250,8 +250,7 @@ def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_f
     module = benchmark_script("replay_pool")
 
     def config(**keys):  # candidates as long as a draft (text_ngram_len 0): whole 16-token branches
-        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False,
-                                          "text_ngram_len": 0, **keys})
+        return FafoConfig(deep_match=False, share_pool=False, text_ngram_len=0, **keys)
 
     # (1, 2) was followed first by `older`, then by `newer`; the answer takes `older` again.
     older, newer = list(range(10, 26)), list(range(40, 56))
@@ -271,48 +270,16 @@ def test_pool_replay_of_draft_trees_and_the_oracle_take_the_candidate_the_text_f
         module.replay(config(num_candidates=2), [request], oracle=True)
 
 
-def test_pool_replay_files_the_target_s_top_tokens_and_a_runner_up_branch_is_accepted():
-    from vllm_fafo.config import FafoConfig
-
-    module = benchmark_script("replay_pool")
-
-    def config(**keys):
-        return FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "share_pool": False,
-                                          "num_candidates": 2, **keys})
-
-    # After 5 the text went on with 6; the target's runner-up there was 11, which the
-    # text takes after its next 5, where the pool's candidates all start with 6.
-    prompt, output = [1, 2, 3], [5, 6, 7, 5, 11, 20]
-    history = [*prompt, *output]
-    top = np.array([[history[p + 1] if p + 1 < len(history) else 0, 99] for p in range(len(history))], dtype=np.int32)
-    top[3, 1] = 11  # position 3 holds the first 5
-    request = (prompt, output)
-    assert module.replay(config(), [request])["accepted_off_spine"] == 0
-    with_runner_ups = module.replay(config(runner_up_tokens=2), [request], top_tokens=[top], vocab_size=128)
-    assert with_runner_ups["accepted_off_spine"] == 1
-    with pytest.raises(ValueError, match="top tokens"):
-        module.replay(config(runner_up_tokens=2), [request])
-    with pytest.raises(ValueError, match="narrower"):
-        module.replay(config(runner_up_tokens=4), [request], top_tokens=[top], vocab_size=128)
-
-
-def test_pool_replay_with_suffix_trees_drafts_no_longer_than_the_match():
+def test_pool_replay_drafts_an_earlier_answer_and_not_with_sharing_off():
     from vllm_fafo.config import FafoConfig
 
     module = benchmark_script("replay_pool")
 
     def replay(*requests, **keys):
-        return module.replay(FafoConfig.from_user_dict({"method": "fafo", "text_source": "suffix_tree", **keys}),
-                             list(requests))
+        return module.replay(FafoConfig.from_user_dict({"method": "fafo", **keys}), list(requests))
 
     prompt = list(range(100, 140))
-    copying = (prompt, prompt[:32])
     fresh = (prompt, list(range(500, 532)))
-    # The quote is drafted as it is matched: 1 token after 1 matched, 2 after 2, ...
-    # (the pool drafts all 16 at once): the same text in more forwards.
-    quoted = replay(copying)
-    assert 1.0 < quoted["tau"] < 32 / 3
-    # An earlier answer drafts for a later request; with sharing off, not.
     assert replay(fresh, fresh)["tau"] > replay(fresh, fresh, share_pool=False)["tau"] == 1.0
 
 
@@ -435,7 +402,7 @@ def test_batch_replay_runs_requests_together_and_batch_1_is_one_after_another():
     assert events[:3] == [("start", "0"), ("start", "1"), ("step", ["0", "1"])]
     assert [e for e in events if e[0] == "start"] == [("start", str(i)) for i in range(4)]
     assert sum(e[0] == "finish" for e in events) == 4
-    config = FafoConfig.from_user_dict({"method": "fafo", "text_source": "pool", "num_lanes": 0})
+    config = FafoConfig(deep_match=False, num_lanes=0)
     one_after_another = module.replay(config, twins)
     together = module.replay(config, twins, batch_size=2)
     assert one_after_another == module.replay(config, twins, batch_size=1)

@@ -103,14 +103,14 @@ def test_fixed_controller_runs_the_configured_lanes_every_decode_step(lanes_llm,
     assert tail == LANES_SPEC["num_lanes"] * LANES_SPEC["lane_len"] * (steps - 1)
 
 
-def test_pool_with_goodput_sized_trees_drafts_and_prices_branches(mixed_run):
+def test_goodput_sized_trees_without_lanes_draft_and_price_branches(mixed_run):
     """The controller cuts the grown branches to those it expects to pay (before any ran
     it tries them: a first-token rate of 0.5), learns their yields and the cost of
     steps with branches, and reports both."""
     run = mixed_run("pool-tree")
     assert run.grew("pool_hits") > 0
     assert _accepted(run, "prior") > 0  # the prior table drafted where the text had nothing
-    assert _accepted(run, "deep_match") == 0 and run.grew("tail_tokens") == 0
+    assert run.grew("tail_tokens") == 0  # no lanes
     assert run.grew("tree_tokens") > 0
     controller = run.metrics_after["controller"]
     assert controller["controller"] == "goodput"
@@ -119,20 +119,10 @@ def test_pool_with_goodput_sized_trees_drafts_and_prices_branches(mixed_run):
     assert 0.0 <= min(controller["branch_first_token_rate"]) <= max(controller["branch_first_token_rate"]) <= 1.0
 
 
-def test_suffix_trees_draft_next_to_lanes(mixed_run):
-    run = mixed_run("suffix-tree")
-    assert _accepted(run, "suffix_tree") > 0 and _accepted(run, "lane") > 0
-
-
 def test_tree_branches_are_verified_and_accepted(mixed_run):
     run = mixed_run("tree")
     assert run.grew("tree_tokens") > 0 and run.grew("branch_wins") > 0
     assert run.grew("branch_accepted_tokens") > 0 and _accepted(run, "lane") > 0
-
-
-def test_runner_up_tokens_draft_spines_and_branches(mixed_run):
-    run = mixed_run("runner-up")
-    assert _accepted(run, "runner_up") > 0 and run.grew("branch_wins") > 0
 
 
 def _selected_tokens(worker) -> int:

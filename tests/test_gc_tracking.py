@@ -59,7 +59,7 @@ def test_pools_keep_no_tracked_object_per_key():
 
 def test_text_cache_keeps_no_tracked_object_per_key():
     def build():
-        cache = TextCache(key_len=5, max_cached_requests=-1)
+        cache = TextCache(key_len=5, keep_answers=True)
         tokens = np.tile(np.asarray(text(1)[: TOKENS // 5], dtype=np.int32), 5)  # every key recurs
         cache.start_request("a", tokens[:100])
         for start in range(100, TOKENS, 3):  # "a" runs on: its own index holds every key's places

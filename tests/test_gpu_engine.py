@@ -59,7 +59,7 @@ LANE_SPECS = {
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
     "default": {"method": "fafo"},  # on CUDA: pool only, padded 16-token drafts (patches/engine_args.py)
     # draft trees: branches through FlashAttention's own kernel (vllm_fafo/attention/cuda.py)
-    "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "runner_up_tokens": 4, "controller": "fixed"},
+    "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "controller": "fixed"},
 }
 
 # What each configuration must show accepted during the batch-1 run, beyond identity.

@@ -27,8 +27,8 @@ def _snapshot(**counters) -> dict:
     metrics.record_draft([Origin.PROMPT, Origin.LANE])
     metrics.record_acceptance([Origin.PROMPT])
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
-            "shared_pool_tenants": 1, "shared_pool_keys": 40, "suffix_tree_answers": 5,
-            "runner_up_tables": 2, "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}
+            "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5,
+            "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}
 
 
 def test_every_counter_and_gauge_is_exported():
@@ -63,8 +63,7 @@ def test_collector_exports_the_snapshot_with_vllm_labels(tmp_path):
     assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "prompt"}) == 1
     assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "lane"}) == 0
     assert value("vllm:fafo_shared_pool_keys", labels) == 40
-    assert value("vllm:fafo_suffix_tree_answers", labels) == 5
-    assert value("vllm:fafo_runner_up_tables", labels) == 2
+    assert value("vllm:fafo_cached_answers", labels) == 5
     assert value("vllm:fafo_controller_lanes", {**labels, "controller": "fixed"}) == 16
     assert 0 <= value("vllm:fafo_snapshot_age_seconds", labels) < 60
     assert b"# HELP vllm:fafo_tail_tokens_total Fumble-lane tokens" in generate_latest(registry)

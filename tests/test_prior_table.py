@@ -146,7 +146,7 @@ def test_the_proposer_drafts_from_the_prior_where_the_pools_miss(tmp_path):
     rows = np.full((64, 3), -1, np.int32)
     rows[7] = [5, -1, -1]
     save_table(path, rows, "m", [])
-    config = FafoConfig(num_lanes=0, controller="fixed", text_source="pool", num_speculative_tokens=4,
+    config = FafoConfig(num_lanes=0, controller="fixed", deep_match=False, num_speculative_tokens=4,
                         text_ngram_len=1, prior_table=str(path))
     proposer = FafoProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=4), additional_config={"fafo": config.to_dict()},

@@ -14,7 +14,7 @@ from .test_pool import _reference_lookup
 
 def make_proposer(max_model_len=4096, **settings) -> FafoProposer:
     """A pool-only proposer (lanes need a runner; see test_region.py)."""
-    config = FafoConfig(**{"num_lanes": 0, "controller": "fixed", "text_source": "pool", "prior_table": "off",
+    config = FafoConfig(**{"num_lanes": 0, "controller": "fixed", "deep_match": False, "prior_table": "off",
                            **settings})
     vllm_config = SimpleNamespace(
         speculative_config=SimpleNamespace(

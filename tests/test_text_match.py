@@ -1,4 +1,4 @@
-"""Deep matches (vllm_fafo.text_match, ``text_source`` ``deep_match``) against a
+"""Deep matches (vllm_fafo.text_match) against a
 brute-force scan of the texts, and the draft the proposer makes of them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
 from vllm_fafo.pool import Origin
-from vllm_fafo.proposer import longest_match, request_pool, suffix_trees, tree_draft
+from vllm_fafo.proposer import deep_match_draft, longest_match, request_pool, tenant_texts
 from vllm_fafo.text_match import MAX_POSITIONS, TextCache
 
 KEY_LEN, DEPTH = 3, 24
@@ -42,7 +42,7 @@ def scan(own: list[int], own_answer_start: int, answers: list[tuple[list[int], i
 @pytest.mark.parametrize("vocab", [2, 3, 6])
 def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None:
     rng = np.random.default_rng(vocab)
-    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+    cache = TextCache(KEY_LEN, keep_answers=True)
     answers = []
     for name in ("old-1", "old-2"):  # finished requests: their answers are kept, their prompts not
         prompt, answer = rng.integers(0, vocab, 30), rng.integers(0, vocab, 120)
@@ -71,14 +71,14 @@ def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None
 
 
 def test_an_evicted_answer_leaves_no_key_behind() -> None:
-    cache = TextCache(KEY_LEN, max_cached_requests=-1)
+    cache = TextCache(KEY_LEN, keep_answers=True)
     cache.start_request("a", np.array([1, 2, 3]))
     cache.add_active_response("a", np.arange(10, 40))
     cache.stop_request("a")
     assert cache.num_keys() > 20
     cache.evict_cached_response("a")
     assert cache.num_keys() == 0 and "a" not in cache.cached_requests
-    forgetting = TextCache(KEY_LEN, max_cached_requests=0)  # answers forgotten when their request stops
+    forgetting = TextCache(KEY_LEN, keep_answers=False)  # answers forgotten when their request stops
     forgetting.start_request("b", np.array([1, 2, 3]))
     forgetting.add_active_response("b", np.arange(10, 40))
     forgetting.stop_request("b")
@@ -87,7 +87,7 @@ def test_an_evicted_answer_leaves_no_key_behind() -> None:
 
 @pytest.mark.parametrize("keep", [-1, 0])
 def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(keep: int) -> None:
-    cache = TextCache(KEY_LEN, max_cached_requests=keep)
+    cache = TextCache(KEY_LEN, keep_answers=keep)
     cache.start_request("writer", np.array([1, 2]))
     cache.add_active_response("writer", np.arange(10, 30))
     cache.start_request("reader", np.array([7, 8, 10, 11, 12, 13]))
@@ -99,31 +99,31 @@ def test_a_running_request_drafts_from_another_running_requests_answer_when_shar
 
 
 def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
-    config = FafoConfig(num_speculative_tokens=8, text_source="deep_match")
-    trees = suffix_trees(config)
+    config = FafoConfig(num_speculative_tokens=8)
+    trees = tenant_texts(config)
     repeat = [10, 11, 12, 13, 14, 15]
     text = np.array([1, *repeat, *repeat])  # the end matches the first repeat 6 deep, its continuation ends
     trees.start("r", None, text)
     pool = request_pool(config)
     pool.add(repeat[-4:], (20, 21), Origin.LANE)
-    draft, origins, depth = tree_draft(trees, (pool,), (), "r", text, len(text), room=8)
+    draft, origins, depth = deep_match_draft(trees, (pool,), (), "r", text, len(text), room=8)
     assert depth == 6
     assert draft == [*repeat, 20, 21]
     assert origins == [Origin.DEEP_MATCH] * 6 + [Origin.LANE] * 2
 
 
 def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
-    config = FafoConfig(text_source="deep_match")  # max_key_len 4: deep matches are 5 or more deep
-    trees = suffix_trees(config)
+    config = FafoConfig()  # max_key_len 4: deep matches are 5 or more deep
+    trees = tenant_texts(config)
     text = np.array([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # "1 2 3 4" again, 4 deep
     trees.start("r", None, text)
-    assert tree_draft(trees, (request_pool(config),), (), "r", text, len(text), room=16) is None
+    assert deep_match_draft(trees, (request_pool(config),), (), "r", text, len(text), room=16) is None
 
 
 def test_config() -> None:
-    assert FafoConfig().text_source == "deep_match"
-    assert longest_match(FafoConfig(text_source="deep_match")) == DEPTH
-    assert longest_match(FafoConfig(text_source="pool")) == 4
-    assert suffix_trees(FafoConfig(text_source="pool")) is None
-    with pytest.raises(FafoConfigError, match=r"max_key_len.*=24 with text_source 'deep_match'.*below 24"):
-        FafoConfig.from_user_dict({"method": "fafo", "text_source": "deep_match", "max_key_len": 24})
+    assert FafoConfig().deep_match
+    assert longest_match(FafoConfig()) == DEPTH
+    assert longest_match(FafoConfig(deep_match=False)) == 4
+    assert tenant_texts(FafoConfig(deep_match=False)) is None
+    with pytest.raises(FafoConfigError, match=r"max_key_len.*=24: deep matches are up to 24 .*allowed: 1 to 23"):
+        FafoConfig.from_user_dict({"method": "fafo", "max_key_len": 24})

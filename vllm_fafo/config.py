@@ -20,7 +20,6 @@ from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
 from vllm_fafo.goodput import CONTROLLERS
 from vllm_fafo.pool import RANKINGS
 from vllm_fafo.prior_table import check_setting as check_prior_table
-from vllm_fafo.suffix_tree import TEXT_SOURCES, require_suffix_trees
 from vllm_fafo.text_match import MATCH_DEPTH
 
 METHOD = "fafo"
@@ -89,29 +88,10 @@ class FafoConfig:
     least recently used tenants are dropped while all of them hold more."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
-    text_source: str = "deep_match"
-    """Where drafts of the decoded text come from: ``pool`` (the n-gram pool),
-    ``deep_match`` (the request's own text and its tenant's answers matched up to 24
-    tokens deep where that is deeper than the pool's keys, vllm_fafo.text_match; the
-    pool elsewhere and where the matched text ends) or
-    ``suffix_tree`` (Arctic Inference's suffix trees, vllm_fafo.suffix_tree; the
-    pool still drafts where the tree has nothing, and holds the lanes' n-grams)."""
-    suffix_tree_cached_requests: int = 10000
-    """Answers the suffix trees of all tenants together keep for later requests (the
-    oldest is dropped; vLLM ``suffix``'s default); 0, or ``share_pool`` false: none."""
-    runner_up_tokens: int = 0
-    """Top next tokens kept from the target's logits at every verified position, per
-    token they follow (Token Recycling's table, vllm_fafo.runner_up), drafted from where
-    the text has no candidate and offered as tree branches; 0: off."""
-    text_ngram_len: int = 4
-    """Length of the candidates filed from the prompt and the output; 0:
-    ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
-    found (and voted on) under the draft's own last tokens, so the continuation is
-    chosen again every few tokens (Cacheback's followers are 3 long), and a piece is
-    filed as soon as its last token is decoded; draft-tree branches are shorter
-    (README "Text n-gram length"). 4 since 2026-11-29 (0 before): more tau in every
-    replayed cell, more tokens/s in the CPU engine's rounds (docs/results.md, "Where the
-    engine's tau goes")."""
+    cached_answers: int = 10000
+    """Answers (outputs) of earlier requests kept over all tenants for deep matches
+    (vllm_fafo.text_match; the oldest is dropped; vLLM ``suffix``'s default); 0, or
+    ``share_pool`` false: each request matches in its own text only."""
     pad_drafts: bool = False
     """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
     tokens (the draft's last token repeated, the text's where nothing was found;
@@ -125,10 +105,6 @@ class FafoConfig:
     last token from a table built once per model (vllm_fafo.prior_table): ``auto`` the
     table ``vllm-fafo-prior-table`` built for this model into the plugin's cache, if
     there is one (the start-up log says which); a path to such a table; ``off``."""
-    rank_candidates: str = "votes"
-    """Which of a key's candidates a lookup drafts: ``votes``, the one whose first token
-    most of them begin with (the prior table's next token voting too), or ``recency``,
-    the most recently used one (vllm_fafo.pool.match_pools)."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
     """The policy's own keys (``<policy>_<key>`` in the user's dict), by field name."""
 
@@ -149,6 +125,21 @@ class FafoConfig:
     lanes guess the text right after the current token (FAFO)."""
     frozen_table: str | None = None
     """Path of a Cacheback frozen table, consulted when the pool misses."""
+    text_ngram_len: int = 4
+    """Length of the candidates filed from the prompt and the output; 0:
+    ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
+    found (and voted on) under the draft's own last tokens, so the continuation is
+    chosen again every few tokens; Cacheback's followers are 3 long. For ``fafo``
+    4: whole drafts (0) lost 1.9-4.2 % of tau on every replayed set (2026-12-02)."""
+    rank_candidates: str = "votes"
+    """Which of a key's candidates a lookup drafts: ``votes`` (FAFO), the one whose
+    first token most of them begin with (the prior table's next token voting too), or
+    ``recency`` (the modes' papers), the most recently used one
+    (vllm_fafo.pool.match_pools). For ``fafo``, recency gained at most 0.9 % on one
+    replayed set and lost 2.3 % on another (2026-12-02)."""
+    deep_match: bool = True
+    """Draft deep matches of the text's end first (vllm_fafo.text_match); the modes
+    draft from their pools alone."""
 
     @classmethod
     def from_user_dict(cls, raw: dict[str, Any]) -> FafoConfig:
@@ -174,6 +165,8 @@ class FafoConfig:
             if key in own_keys:
                 policy_settings[own_keys[key]] = settings.pop(key)
                 continue
+            if key in REMOVED_KEYS:
+                raise FafoConfigError(f"speculative_config[{key!r}] was removed: {REMOVED_KEYS[key]}")
             owner = next((name for name, p in POLICIES.items() if key in settings_keys(p)), None)
             if owner is not None:
                 raise FafoConfigError(
@@ -227,20 +220,11 @@ class FafoConfig:
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)
         if self.rank_candidates not in RANKINGS:
-            raise FafoConfigError(
-                f"speculative_config['rank_candidates']={self.rank_candidates!r} is not a ranking; "
-                f"allowed: {', '.join(repr(r) for r in RANKINGS)}"
-            )
+            raise ValueError(f"rank_candidates={self.rank_candidates!r}: one of {RANKINGS}")
         check_bool("seed_from_output", self.seed_from_output)
-        check_int("text_ngram_len", self.text_ngram_len, 0, 64)
+        check_int("text_ngram_len", self.text_ngram_len, 0, 64)  # set by the modes
         check_bool("stagger_lanes", self.stagger_lanes)
-        if self.text_source not in TEXT_SOURCES:
-            raise FafoConfigError(
-                f"speculative_config['text_source']={self.text_source!r} is not a text source; "
-                f"allowed: {', '.join(repr(s) for s in TEXT_SOURCES)}"
-            )
-        check_int("suffix_tree_cached_requests", self.suffix_tree_cached_requests, 0, 0x7FFFFFFF)
-        check_int("runner_up_tokens", self.runner_up_tokens, 0, 16)
+        check_int("cached_answers", self.cached_answers, 0, 0x7FFFFFFF)
         check_bool("pad_drafts", self.pad_drafts)
         check_prior_table(self.prior_table)
         if self.pad_drafts and (self.controller != "fixed" or self.num_candidates != 1):
@@ -250,13 +234,10 @@ class FafoConfig:
                 "drafts cost the same whatever the goodput controller cuts, and draft-tree branches "
                 "change each step's token count"
             )
-        if self.text_source == "suffix_tree":
-            require_suffix_trees()
-        if self.text_source == "deep_match" and self.max_key_len >= MATCH_DEPTH:
+        if self.deep_match and self.max_key_len >= MATCH_DEPTH:
             raise FafoConfigError(
-                f"speculative_config['max_key_len']={self.max_key_len} with text_source 'deep_match': "
-                f"deep matches are up to {MATCH_DEPTH} tokens and drafted where deeper than the pool's keys; "
-                f"allowed: max_key_len below {MATCH_DEPTH}, or text_source 'pool'"
+                f"speculative_config['max_key_len']={self.max_key_len}: deep matches are up to {MATCH_DEPTH} "
+                f"tokens and drafted where deeper than the pool's keys; allowed: 1 to {MATCH_DEPTH - 1}"
             )
 
     def policy_settings(self) -> Any:
@@ -326,7 +307,16 @@ USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
-    "text_source", "suffix_tree_cached_requests", "runner_up_tokens", "text_ngram_len",
-    "pad_drafts", "prior_table", "rank_candidates",
+    "cached_answers", "pad_drafts", "prior_table",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""
+
+REMOVED_KEYS = {
+    "text_source": "deep matches of the text are always drafted first (their alternatives, the pool "
+                   "alone and Arctic Inference's suffix trees, had less tau on every replayed set)",
+    "suffix_tree_cached_requests": "the suffix trees are gone; cached_answers bounds the answers kept",
+    "runner_up_tokens": "the target's runner-up tokens added no tau where the prior table drafts",
+    "rank_candidates": "candidates are ranked by votes (recency had less tau on two of three sets)",
+    "text_ngram_len": "text n-grams are 4 tokens (whole drafts had less tau on every replayed set)",
+}
+"""Keys of earlier releases, each with why it went (CHANGELOG.md)."""

@@ -66,8 +66,7 @@ GAUGES: dict[str, str] = {
     "requests_with_region": "Requests holding a compressed-region row (fumble lanes).",
     "shared_pool_tenants": "Tenants (cache_salt values) with a shared pool.",
     "shared_pool_keys": "Keys held by the shared pools of all tenants.",
-    "suffix_tree_answers": "Answers (finished and running) the suffix trees of all tenants hold.",
-    "runner_up_tables": "Runner-up tables held (one per tenant, or per running request with share_pool off).",
+    "cached_answers": "Answers (finished and running) of all tenants that deep matches are drafted from.",
 }
 """Snapshot key -> help text of each gauge (exported as ``vllm:fafo_<key>``)."""
 

@@ -84,8 +84,7 @@ class LookaheadConfig:
             num_candidates=self.num_candidates,
             controller="fixed",  # the paper's W, N, G every step
             share_pool=False,  # the paper's pool is per request
-            text_source="pool",  # the paper's n-gram pool drafts the text
-            runner_up_tokens=0,
+            deep_match=False,  # the paper's n-gram pool drafts the text
             prior_table="off",  # the paper drafts from its pool alone
             rank_candidates="recency",  # the paper's pool: its newest guess
         )
@@ -151,8 +150,7 @@ class CacheBackConfig:
             max_tree_tokens=self.max_tree_tokens,
             controller="fixed",  # the paper's chain every step
             share_pool=False,  # the paper's pool is per request (its frozen table is shared)
-            text_source="pool",  # the paper's leaders and followers draft the text
-            runner_up_tokens=0,
+            deep_match=False,  # the paper's leaders and followers draft the text
             prior_table="off",  # the paper drafts from its two tables alone
             rank_candidates="recency",  # the paper's tables: the newest follower
         )

@@ -35,9 +35,7 @@ class Origin(str, Enum):
     LANE = "lane"
     FROZEN = "frozen"  # Cacheback's offline table
     SHARED = "shared"  # another request's text or lanes, via the shared pool
-    SUFFIX_TREE = "suffix_tree"  # the text's suffix trees (text_source "suffix_tree")
-    DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (text_source "deep_match")
-    RUNNER_UP = "runner_up"  # the target's top successors of the current token (runner_up_tokens)
+    DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (vllm_fafo.text_match)
     PAD = "pad"  # filler after the found draft (pad_drafts)
     PRIOR = "prior"  # the target's continuation of the text's last token (vllm_fafo.prior_table)
 

@@ -18,8 +18,6 @@ points of vLLM's step where the information exists; in order:
    forward :meth:`~FafoProposer.take_branch_logits` takes the target's
    choices at the branch tokens and, once vLLM sampled the spines,
    :meth:`~FafoProposer.accept_branches` swaps in a branch that got further.
-   With ``runner_up_tokens`` > 0, :meth:`~FafoProposer.take_logits` files the
-   target's top next tokens at every verified position before vLLM samples.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
 6. :meth:`~FafoProposer.propose`: judge earlier drafts against the text
@@ -55,10 +53,9 @@ from vllm_fafo.metrics_export import SnapshotPublisher
 from vllm_fafo.pool import Match, NgramPool, Origin, add_to_pools, match_pools
 from vllm_fafo.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.prior_table import resolve as resolve_prior_table
-from vllm_fafo.runner_up import RunnerUpTable, RunnerUpTables
 from vllm_fafo.shared_pool import TenantPools
 from vllm_fafo.step_plan import StepPlan
-from vllm_fafo.suffix_tree import TREE_DEPTH, SuffixTrees
+from vllm_fafo.text_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.tp_sync import RankZeroStepTime
 from vllm_fafo.tree import (
     PLACEHOLDER,
@@ -95,9 +92,6 @@ class RequestState:
     """Where each token of the last draft came from."""
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
-    runner_ups: RunnerUpTable | None = None
-    """The target's runner-up tokens of the request's tenant (or of the request alone,
-    ``share_pool`` false); None: ``runner_up_tokens`` is 0."""
 
 
 def request_pool(config: FafoConfig) -> NgramPool:
@@ -115,33 +109,21 @@ def shared_pools(config: FafoConfig) -> TenantPools | None:
                        touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates)
 
 
-def suffix_trees(config: FafoConfig) -> SuffixTrees | None:
-    """The text's suffix trees (``text_source`` ``suffix_tree``) or deep-match text
-    caches (``deep_match``), one per tenant (None: ``text_source`` is the pool)."""
-    if config.text_source == "pool":
+def tenant_texts(config: FafoConfig) -> TenantTexts | None:
+    """The texts deep matches are drafted from, one cache per tenant (None: the modes,
+    which draft from their pools alone)."""
+    if not config.deep_match:
         return None
-    # deep matches no deeper than the pool's keys are the pool's: its recency order (lanes' n-grams
+    # deep matches no deeper than the pool's keys are the pool's: its candidates (lanes' n-grams
     # included) did as well there in replay (benchmarks/replay_pool.py)
-    deep_match_key_len = config.max_key_len + 1 if config.text_source == "deep_match" else 0
-    return SuffixTrees(config.suffix_tree_cached_requests if config.share_pool else 0, config.shared_pool_tenants,
-                       deep_match_key_len)
+    return TenantTexts(config.cached_answers if config.share_pool else 0, config.shared_pool_tenants,
+                       config.max_key_len + 1)
 
 
 def longest_match(config: FafoConfig) -> int:
     """The longest matched context a draft reports as its evidence (the goodput
-    controller keeps a row per length): the pool's key, the own text's deep match,
-    or the suffix tree's match."""
-    return max(config.max_key_len, TREE_DEPTH if config.text_source != "pool" else 0)
-
-
-def runner_up_tables(config: FafoConfig, vllm_config: VllmConfig) -> RunnerUpTables | None:
-    """The runner-up tables (None: ``runner_up_tokens`` 0): one per tenant, or one per
-    running request with sharing off."""
-    if not config.runner_up_tokens:
-        return None
-    return RunnerUpTables(vllm_config.model_config.get_vocab_size(), config.runner_up_tokens,
-                          config.shared_pool_tenants if config.share_pool
-                          else vllm_config.scheduler_config.max_num_seqs)
+    controller keeps a row per length): the pool's key or the deep match."""
+    return MATCH_DEPTH if config.deep_match else config.max_key_len
 
 
 def first_anchor(config: FafoConfig, prompt_len: int) -> int:
@@ -239,16 +221,14 @@ def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], conte
     return draft, origins, first_key_len
 
 
-def tree_draft(trees: SuffixTrees, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], req_id: str,
-               history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], list[Origin], int] | None:
-    """The draft of the request's suffix tree or deep-match text cache, with its match
-    length; a deep match's draft that ends before ``room`` (its text ended) is chained
-    on from the pools (:func:`chain_draft`). None where the tree has nothing."""
-    draft, match_len = trees.draft(req_id, history, num_tokens, room)
+def deep_match_draft(texts: TenantTexts, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], req_id: str,
+                     history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], list[Origin], int] | None:
+    """The deep match's draft, with its match length; where it ends before ``room``
+    (its text ended) it is chained on from the pools (:func:`chain_draft`). None where
+    nothing matches deeper than the pool's keys."""
+    draft, match_len = texts.draft(req_id, history, num_tokens, room)
     if not draft:
         return None
-    if not trees.deep_match_key_len:
-        return draft, [Origin.SUFFIX_TREE] * len(draft), match_len
     origins = [Origin.DEEP_MATCH] * len(draft)
     if len(draft) < room:
         max_key_len = pools[0].max_key_len
@@ -264,25 +244,19 @@ def key_context(history: np.ndarray, num_tokens: int, max_key_len: int) -> list[
     return history[max(0, num_tokens - max_key_len) : num_tokens].tolist()
 
 
-def request_draft(trees: SuffixTrees | None, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback],
-                  runner_ups: RunnerUpTable | None, req_id: str, history: np.ndarray, num_tokens: int,
-                  context: list[int], room: int) -> tuple[list[int], list[Origin], int]:
+def request_draft(texts: TenantTexts | None, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback],
+                  req_id: str, history: np.ndarray, num_tokens: int, context: list[int],
+                  room: int) -> tuple[list[int], list[Origin], int]:
     """A request's draft of at most ``room`` tokens, with each token's origin and the
-    length of the context it matched: its suffix tree's (``text_source``
-    ``suffix_tree``) or its own text's deep match (``deep_match``), else its pools'
-    (:func:`chain_draft`, with ``fallbacks`` where they miss), else the chain of the target's top successors
-    (``runner_up_tokens``; matched context 0). ``context``: the text's last
-    ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
+    length of the context it matched: the deep match of its text's end, else its pools'
+    (:func:`chain_draft`, with ``fallbacks`` where they miss). ``context``: the text's
+    last ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
     (benchmarks/replay_pool.py) both draft through this one order."""
-    if trees is not None:
-        found = tree_draft(trees, pools, fallbacks, req_id, history, num_tokens, room)
+    if texts is not None:
+        found = deep_match_draft(texts, pools, fallbacks, req_id, history, num_tokens, room)
         if found is not None:
             return found
-    draft, origins, key_len = chain_draft(pools, fallbacks, context, room)
-    if not draft and runner_ups is not None:
-        draft = runner_ups.chain(context[-1], room)
-        origins = [Origin.RUNNER_UP] * len(draft)
-    return draft, origins, key_len
+    return chain_draft(pools, fallbacks, context, room)
 
 
 def pad_draft(draft: list[int], origins: list[Origin], room: int, last_token: int) -> tuple[list[int], list[Origin]]:
@@ -364,7 +338,7 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
-        self.suffix_trees = suffix_trees(self.config)
+        self.texts = tenant_texts(self.config)
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           longest_match(self.config))
         self.judge = DraftJudge(self.num_speculative_tokens)
@@ -380,7 +354,6 @@ class FafoProposer:
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
         self.shared = shared_pools(self.config)
-        self.runner_ups = runner_up_tables(self.config, vllm_config)
         self.step: FafoStep | None = None
         self._model = None
         self.tree_enabled = self.config.num_candidates > 1
@@ -512,34 +485,6 @@ class FafoProposer:
                 first = request.start - step.branches.first_token
                 step.branch_probs[request.req_id] = sampling_probs(logits[first : first + request.num_tokens], params)
 
-    def take_logits(self, logits: torch.Tensor, input_tokens: torch.Tensor, rows_per_request: np.ndarray,
-                    req_ids: Sequence[str]) -> None:
-        """4c. vLLM is about to sample: the target's top next tokens at every position
-        it computed logits for (``rows_per_request`` rows per request of ``req_ids``, in
-        batch order), filed in the request's runner-up table under the token fed at
-        that position (``input_tokens``, one per row)."""
-        if self.runner_ups is None or self.step is None:
-            return
-        ends = np.cumsum(rows_per_request)
-        if len(req_ids) != len(rows_per_request) or ends[-1] != len(logits) or len(input_tokens) != len(logits):
-            raise RuntimeError(
-                f"vllm-fafo runner-up tokens: {len(logits)} logits rows and {len(input_tokens)} input tokens "
-                f"for {len(req_ids)} requests with {int(ends[-1])} sampled positions; vLLM's "
-                "GPUModelRunner._sample changed under this release of vllm-fafo (written against vLLM 0.32.0)"
-            )
-        if logits.shape[-1] > self.runner_ups.vocab_size:
-            raise RuntimeError(
-                f"vllm-fafo runner-up tokens: logits over {logits.shape[-1]} tokens, but the model's "
-                f"vocabulary has {self.runner_ups.vocab_size}; set runner_up_tokens to 0"
-            )
-        top = torch.topk(logits, self.config.runner_up_tokens, dim=-1).indices.to(torch.int32).cpu().numpy()
-        tokens = input_tokens.cpu().numpy()
-        for req_id, end, rows in zip(req_ids, ends.tolist(), rows_per_request.tolist()):
-            state = self._requests.get(req_id)
-            table = (state.runner_ups if state is not None
-                     else self.runner_ups.table_for(self._owner(req_id, self._tenants.get(req_id))))
-            table.update(tokens[end - rows : end], top[end - rows : end])
-
     def accept_branches(self, sampled_token_ids: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
         """4c. vLLM sampled the spines: where a branch got further, its tokens replace the
         row (in place) and its keys and values replace the rejected spine tokens' in the
@@ -611,10 +556,8 @@ class FafoProposer:
             self._tenants.pop(req_id, None)
             if self._requests.pop(req_id, None) is not None:
                 self.metrics.requests_freed += 1
-            if self.suffix_trees is not None:
-                self.suffix_trees.stop(req_id)
-            if self.runner_ups is not None and not self.config.share_pool:
-                self.runner_ups.drop(req_id)
+            if self.texts is not None:
+                self.texts.stop(req_id)
         self.judge.forget(req_ids)
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
@@ -632,8 +575,7 @@ class FafoProposer:
             "requests_with_region": 0 if self.lanes is None else self.lanes.num_regions_in_use,
             "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
             "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
-            "suffix_tree_answers": 0 if self.suffix_trees is None else self.suffix_trees.num_cached_requests(),
-            "runner_up_tables": 0 if self.runner_ups is None else len(self.runner_ups),
+            "cached_answers": 0 if self.texts is None else self.texts.num_cached_requests(),
             "controller": self.controller.summary(),
         }
 
@@ -642,10 +584,8 @@ class FafoProposer:
         do not learn each other's answers."""
         if self.shared is not None:
             self.shared.clear()
-        if self.suffix_trees is not None:
-            self.suffix_trees.clear()
-        if self.runner_ups is not None:
-            self.runner_ups.clear()
+        if self.texts is not None:
+            self.texts.clear()
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -718,7 +658,6 @@ class FafoProposer:
                 state.branches = grow_branches(
                     state.pools, context, drafts[row], self.config.num_candidates - 1,
                     self.config.tree_tokens - len(drafts[row]),
-                    state.runner_ups,
                 )
         if self.tree_enabled:
             self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), [state for state, *_ in found],
@@ -829,11 +768,6 @@ class FafoProposer:
             )
 
     # Internals -----------------------------------------------------------------------
-    def _owner(self, req_id: str, tenant: str | None) -> str | None:
-        """Whose runner-up table a request files into and drafts from: its tenant's, or
-        its own with sharing off."""
-        return tenant if self.config.share_pool else req_id
-
     def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
@@ -851,20 +785,18 @@ class FafoProposer:
                 pools=(request_pool(self.config), *shared),
                 prompt_len=prompt_len,
                 next_anchor=first_anchor(self.config, prompt_len),
-                runner_ups=None if self.runner_ups is None else
-                self.runner_ups.table_for(self._owner(req_id, tenant)),
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1
-            if self.suffix_trees is not None:
-                self.suffix_trees.start(req_id, tenant, history[:prompt_len])
+            if self.texts is not None:
+                self.texts.start(req_id, tenant, history[:prompt_len])
         return state
 
     def _draft(self, req_id: str, state: RequestState, history: np.ndarray, num_tokens: int,
                context: list[int]) -> tuple[list[int], list[Origin], int]:
         """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
         and never past ``max_model_len``."""
-        return request_draft(self.suffix_trees, state.pools, self.fallbacks, state.runner_ups, req_id, history,
+        return request_draft(self.texts, state.pools, self.fallbacks, req_id, history,
                              num_tokens, context, self._room(num_tokens))
 
     def _room(self, num_tokens: int) -> int:

@@ -36,8 +36,7 @@ Only requests whose sampling a branch reproduces exactly get branches
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,6 @@ import numpy as np
 import torch
 
 from vllm_fafo.pool import NgramPool, alternatives_in
-from vllm_fafo.runner_up import RunnerUpTable
 
 PLACEHOLDER = -1
 """vLLM's rejection sampler marks unused slots of a sampled row with -1."""
@@ -71,15 +69,12 @@ def grow_branches(
     spine: Sequence[int],
     max_branches: int,
     max_tokens: int,
-    runner_ups: RunnerUpTable | None = None,
 ) -> list[Branch]:
     """Up to ``max_branches`` branches of at most ``max_tokens`` tokens in all.
 
     Node 0 first (the spine's first token is the likeliest to be rejected),
     then deeper nodes; at each node the pool's candidates under the longest
-    matching key first (the request's own pool, then the shared one), then, at
-    node 0, the target's runner-up tokens after the current token (each
-    continued by its chain of top successors, :mod:`vllm_fafo.runner_up`); one branch
+    matching key first (the request's own pool, then the shared one); one branch
     per first token the spine and earlier branches do not already take there. A
     branch is cut to the spine's depth.
     ``context`` is the text before the current token's successor (its last
@@ -91,10 +86,7 @@ def grow_branches(
     for node in range(len(spine)):
         room = len(spine) - node
         taken = {spine[node]}
-        candidates: Iterable[tuple[int, ...]] = alternatives_in(pools, text + list(spine[:node]))
-        if node == 0 and runner_ups is not None:
-            candidates = itertools.chain(candidates, runner_up_candidates(runner_ups, context[-1], room))
-        for candidate in candidates:
+        for candidate in alternatives_in(pools, text + list(spine[:node])):
             if len(branches) == max_branches or budget <= 0:
                 return branches
             if candidate[0] in taken:
@@ -104,13 +96,6 @@ def grow_branches(
             taken.add(tokens[0])
             budget -= len(tokens)
     return branches
-
-
-def runner_up_candidates(runner_ups: RunnerUpTable, token: int, length: int) -> Iterator[tuple[int, ...]]:
-    """Continuations of ``token`` starting with each of its runner-up successors (not
-    the top one), each followed by its chain of top successors; at most ``length`` tokens."""
-    for first in runner_ups.runner_ups(token):
-        yield (first, *runner_ups.chain(first, length - 1))
 
 
 def keeps_exact_with_branches(params: Any) -> bool:

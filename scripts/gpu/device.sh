@@ -21,9 +21,7 @@
 #             FAFO runs on), so each fafo cell's identity is checked against plain
 #             vLLM under the same runner and graph mode (FAFO_GRAPH_MODES: "default full")
 #   bench_trees    draft trees on SmolLM2 (bf16, batch 1, MT-Bench 20 x 256): plain, ngram,
-#             default fafo, 4 candidates + 4 runner-up tokens under the goodput
-#             controller, 4 candidates with 4-token text n-grams (text_ngram_len 4)
-#             under the controller and fixed
+#             default fafo, 4 candidates under the goodput controller and fixed
 #   bench_levers   the draft length of padded drafts on SmolLM2 (bf16, CUDA graphs, MT-Bench,
 #             GSM8K and HumanEval 20 x 256 (FAFO_DATASETS), batch 1 and 32), most telling first,
 #             so a stage cut by its limit (FAFO_STAGE_SECONDS) still answers: plain, the default
@@ -144,11 +142,9 @@ bench_trees() {
     mkdir -p "$OUT/trees"
     outside_checkout benchmarks
     local tree4='"method":"fafo","num_lanes":0,"num_candidates":4'
-    local ng4='"text_ngram_len":4'
     timeout "$LIMIT" python3 benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 \
-        --methods none,ngram,fafo --method "tree4-ru4={$tree4,\"runner_up_tokens\":4}" \
-        --method "tree4-ng4={$tree4,$ng4}" \
-        --method "tree4-ng4-fixed={$tree4,$ng4,\"controller\":\"fixed\"}" \
+        --methods none,ngram,fafo --method "tree4={$tree4}" \
+        --method "tree4-fixed={$tree4,\"controller\":\"fixed\"}" \
         --datasets mtbench --batch-sizes "${FAFO_BATCH_SIZES:-1}" --num-prompts 20 --max-tokens 256 \
         --out "$ROOT/results/trees" || true
     cp "$ROOT"/results/trees/summary.* "$OUT/trees/" 2>/dev/null || true

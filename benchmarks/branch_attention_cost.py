@@ -1,6 +1,6 @@
 """Host time of one step's draft-tree branch attention, all layers, three ways.
 
-Draft-tree branches (vllm_fafo.tree) attend in every layer to the request's
+Draft-tree branches (vllm_fafo.verification.draft_tree) attend in every layer to the request's
 paged KV and their own branch. On CPU they run through vLLM's own attention
 kernel (``run_branches_in_kernel``: each branch's keys and values written
 over its spine's slots, the kernel called for the branch queries, the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from vllm_fafo.attention.branch_attention import kernel_rounds, request_branch_attention, run_branches_in_kernel
 from vllm_fafo.attention.cpu import CPUBranchKernel
 from vllm_fafo.attention.paged_kv import CPUPagedKV
-from vllm_fafo.tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
+from vllm_fafo.verification.draft_tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
 
 SHAPES = {  # query heads, KV heads, head size, layers
     "SmolLM2-135M": (9, 3, 64, 30),

@@ -2,7 +2,7 @@
 
 A draft-tree branch is exact only if the target's logits at its tokens are the
 ones a spine verification of the same tokens would give. On CPU the plugin runs
-branch queries through vLLM's own kernel (README, "Draft trees"), but in
+branch queries through vLLM's own kernel (docs/results/draft-trees.md), but in
 another arrangement than a verification: alone or beside other requests'
 branches. That is exact if the kernel's output for a query row depends only
 on that row's query and keys, not on the rows and requests around it. This calls ``ops.cpu_attention_with_kv_cache``

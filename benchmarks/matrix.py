@@ -70,9 +70,9 @@ from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
-from vllm_fafo.assets import SHAPES
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.modes import METHODS as FAFO_METHODS
+from vllm_fafo.tools.assets import SHAPES
 
 NGRAM_SPEC = {
     "method": "ngram",
@@ -261,8 +261,8 @@ def run_method_cells(args: argparse.Namespace) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from vllm_fafo.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
-    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
+    from vllm_fafo.serving.metrics import collect_metrics, vllm_spec_counters
+    from vllm_fafo.tools.assets import chat_prompt, load_prompts, shaped_model_dir, smollm2_dir
     if args.shape:
         model, load_format = str(shaped_model_dir(args.shape)), "dummy"
     else:

@@ -25,7 +25,7 @@ host time measured, repeat run to run.
 freezes its start-up heap, so that the garbage collector's full collections walk
 only what the proposer made since, and reports them: how many ran during the
 steps, their pauses, the slowest step, and the objects still tracked after the
-steps (docs/results.md "Garbage collector pauses").
+steps (docs/results/serving.md "Garbage collector pauses").
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.prior_table import DEFAULT_WIDTH, PriorTable
+from vllm_fafo.drafting.prior_table import DEFAULT_WIDTH, PriorTable
 from vllm_fafo.proposer import FafoProposer
 
 CPU_LIKE_COST_MS = (52.0, 3.3, 3.3)

@@ -17,12 +17,12 @@ what the verification would cost.
 
 ``--cost-ms 46,12,2.5`` also runs the goodput controller on a machine whose
 forward costs 46 ms, 12 ms more with a draft, 2.5 ms per further draft token
-(what it learned on a 2-core CPU with SmolLM2 at batch 1, docs/results.md "Draft
+(what it learned on a 2-core CPU with SmolLM2 at batch 1, docs/results/goodput-controller.md "Draft
 length") and per further request of a batch: its cuts, the tau they leave and
 the simulated tokens per second. A fourth value is a knee: forwards of up to
 that many tokens cost STEP, only the tokens past it are priced (``--cost-ms
 41,1.3,1.3,8`` and ``50,1.6,1.6,3``: about two 2-core CPUs' measured curves,
-docs/results.md "What the cut leaves at this machine's token price").
+docs/results/goodput-controller.md "What the cut leaves at this machine's token price").
 ``--noise 0.05,0.02,1.5`` scatters each forward's time as a real machine's
 (lognormal, and a pause now and then), which is what the controller learns
 its cost curve from.
@@ -63,11 +63,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.draft_judge import DraftJudge
-from vllm_fafo.goodput import GoodputController, StepOutcome
-from vllm_fafo.pool import alternatives_in
-from vllm_fafo.prior_table import PriorTable
-from vllm_fafo.prior_table import resolve as resolve_prior_table
+from vllm_fafo.control.draft_judge import DraftJudge
+from vllm_fafo.control.goodput import GoodputController, StepOutcome
+from vllm_fafo.drafting.pool import alternatives_in
+from vllm_fafo.drafting.prior_table import PriorTable
+from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
 from vllm_fafo.proposer import (
     file_new_ngrams,
     first_anchor,
@@ -78,7 +78,7 @@ from vllm_fafo.proposer import (
     shared_pools,
     tenant_texts,
 )
-from vllm_fafo.tree import Branch, grow_branches
+from vllm_fafo.verification.draft_tree import Branch, grow_branches
 
 SUFFIX_TREE_DEPTH = 24
 """vLLM 0.32.0's ``suffix_decoding_max_tree_depth`` default (and its draft length)."""
@@ -146,7 +146,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
 
     ``oracle``: each step's draft is, among the draft the setting finds and every
     candidate of the request's pools under the text's suffixes (longest key first,
-    :func:`~vllm_fafo.pool.alternatives_in`), the one the text follows furthest: the
+    :func:`~vllm_fafo.drafting.pool.alternatives_in`), the one the text follows furthest: the
     tau a perfect ranking of the candidates at hand would reach (uncut, spine only).
 
     ``prior``: the prior table drafted from where the pools miss, as the engine's
@@ -309,7 +309,7 @@ def step_seconds(cost_ms: tuple[float, ...], num_drafts: int, num_requests: int 
     optional fourth value, a knee: forwards of up to that many tokens cost what one
     of a single token does, and only the tokens past it are priced (a machine whose
     matrix products cost the same for a few rows as for one: one 2-core CPU's steps
-    were flat to 8 tokens, another's to 3, docs/results.md)."""
+    were flat to 8 tokens, another's to 3, docs/results/goodput-controller.md)."""
     step, first, per_token = cost_ms[:3]
     knee = int(cost_ms[3]) if len(cost_ms) > 3 else 1
     priced = max(0, num_requests + num_drafts - knee)  # past the knee; the requests' own tokens fill it first
@@ -387,7 +387,7 @@ def prior_table(config: FafoConfig) -> PriorTable | None:
     """The prior table the engine's proposer would use for ``config`` with the SmolLM2 build."""
     from transformers import AutoConfig
 
-    from vllm_fafo.assets import smollm2_dir
+    from vllm_fafo.tools.assets import smollm2_dir
 
     model = str(smollm2_dir())
     return resolve_prior_table(config.prior_table, model, AutoConfig.from_pretrained(model).vocab_size)
@@ -398,7 +398,7 @@ def load_requests(cells: Path, dataset: str) -> list[tuple[list[int], list[int]]
     matrix run's batch-1 ``none`` cell."""
     from transformers import AutoTokenizer
 
-    from vllm_fafo.assets import chat_prompt, load_prompts, smollm2_dir
+    from vllm_fafo.tools.assets import chat_prompt, load_prompts, smollm2_dir
 
     cell = json.loads((cells / "cells" / f"none__{dataset}__b1.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())

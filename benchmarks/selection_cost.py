@@ -26,10 +26,10 @@ import time
 import torch
 
 from vllm_fafo.attention.paged_kv import CPUPagedKV
-from vllm_fafo.compression import QuestPolicy, SnapKVPolicy
-from vllm_fafo.compression.base import LaneStep, LayerShape
-from vllm_fafo.compression.quest import QuestSettings
-from vllm_fafo.compression.snapkv import SnapKVSettings
+from vllm_fafo.lanes.compression import QuestPolicy, SnapKVPolicy
+from vllm_fafo.lanes.compression.base import LaneStep, LayerShape
+from vllm_fafo.lanes.compression.quest import QuestSettings
+from vllm_fafo.lanes.compression.snapkv import SnapKVSettings
 
 SHAPES = {  # name: (query heads, kv heads, head size, layers)
     "SmolLM2-135M": (9, 3, 64, 30),

@@ -197,7 +197,7 @@ def plugin_state(url: str) -> dict[str, float]:
     """The plugin's request and pool gauges and counters, summed over engines."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vllm_fafo.metrics_export import PREFIX
+    from vllm_fafo.serving.metrics_export import PREFIX
 
     response = requests.get(url + "/metrics", timeout=30)
     response.raise_for_status()
@@ -231,8 +231,8 @@ def fixed_greedy_text(url: str) -> str:
 
 
 def soak(args: argparse.Namespace) -> dict:
-    from vllm_fafo.assets import load_prompts, smollm2_dir
     from vllm_fafo.config import FafoConfig
+    from vllm_fafo.tools.assets import load_prompts, smollm2_dir
 
     model = args.model or str(smollm2_dir())
     spec = None if args.speculative_config == "none" else json.loads(args.speculative_config)

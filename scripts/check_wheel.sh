@@ -13,7 +13,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 echo "== build the wheel (from a copy: setuptools' build/ folder could hold stale modules)"
 mkdir "$WORK/src"
-cp -r "$REPO/vllm_fafo" "$REPO/patches" "$REPO/pyproject.toml" "$REPO/setup.py" "$REPO/README.md" "$WORK/src/"
+cp -r "$REPO/vllm_fafo" "$REPO/pyproject.toml" "$REPO/setup.py" "$REPO/README.md" "$WORK/src/"
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
 python -m pip wheel --no-deps --quiet -w "$WORK/dist" "$WORK/src"
 WHEEL="$(ls "$WORK"/dist/vllm_fafo-*.whl)"
@@ -23,7 +23,6 @@ from pathlib import Path
 wheel, repo = sys.argv[1], Path(sys.argv[2])
 names = set(zipfile.ZipFile(wheel).namelist())
 source = {f"vllm_fafo/{p.relative_to(repo / 'vllm_fafo')}" for p in (repo / "vllm_fafo").rglob("*.py")}
-source |= {f"vllm_fafo/patches/{p.relative_to(repo / 'patches')}" for p in (repo / "patches").rglob("*.py")}
 missing = sorted(m for m in source if "__pycache__" not in m and m not in names)
 assert not missing, f"the wheel lacks {missing}"
 archive = zipfile.ZipFile(wheel)
@@ -43,12 +42,16 @@ python -m venv "$VENV"
 
 cd "$WORK"
 export VLLM_CACHE_ROOT="$WORK/vllm-cache" HF_HUB_OFFLINE=1
-MODEL="$("$VENV/bin/python" -c 'from vllm_fafo.assets import smollm2_dir; print(smollm2_dir())')"
+MODEL="$("$VENV/bin/python" -c 'from vllm_fafo.tools.assets import smollm2_dir; print(smollm2_dir())')"
 "$VENV/bin/python" - "$VENV" <<'PY'
-import sys, vllm_fafo, vllm_fafo.attention.lane_impl, vllm_fafo.compression.quest, vllm_fafo.patches.engine_args
+import sys, vllm_fafo, vllm_fafo.attention.lane_impl, vllm_fafo.lanes.compression.quest, vllm_fafo.patches.engine_args
 assert vllm_fafo.__file__.startswith(sys.argv[1]), f"vllm_fafo imported from {vllm_fafo.__file__}, not the venv"
 print("vllm_fafo from", vllm_fafo.__file__)
 PY
+# From the checkout's root the source folder comes first on sys.path: it must be the same
+# package as the wheel (patches included), not a partial one that shadows it.
+(cd "$REPO" && "$VENV/bin/python" -c 'import vllm_fafo, vllm_fafo.patches.engine_args, vllm_fafo.tools.assets
+print("from the checkout root: vllm_fafo from", vllm_fafo.__file__)')
 
 echo "== README main job (small), from $WORK"
 "$VENV/bin/python" "$REPO/benchmarks/matrix.py" --methods none,fafo --num-prompts 2 --max-tokens 48 \

@@ -17,4 +17,4 @@ python scripts/vllm_cpu_metadata.py
 command -v cmake >/dev/null || python -m pip install --quiet "cmake==4.2.1"
 python -m pip install --quiet "nanobind==2.9.2" "ninja==1.13.2" "grpcio-tools==1.85.1"
 python -m pip install --quiet --no-build-isolation --no-deps "arctic-inference==0.3.0"
-python -m vllm_fafo.assets
+python -m vllm_fafo.tools.assets

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from vllm_fafo.attention.branch_attention import request_branch_attention
-from vllm_fafo.tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
+from vllm_fafo.verification.draft_tree import Branch, BranchPlan, attention_bias, branch_positions, layout_request
 
 HQ, HK, D = 9, 3, 64
 """SmolLM2-135M's attention."""

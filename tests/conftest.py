@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
 def model_dir() -> str:
     """SmolLM2, with its prior table built (scripts/install_cpu.sh builds it; else here,
     once), so that every engine left at ``"prior_table": "auto"`` drafts from it."""
-    from vllm_fafo.assets import smollm2_dir, smollm2_prior_table
+    from vllm_fafo.tools.assets import smollm2_dir, smollm2_prior_table
 
     smollm2_prior_table()
     return str(smollm2_dir())
@@ -67,7 +67,7 @@ def plain_llm(model_dir):
 @pytest.fixture(scope="session")
 def mtbench(plain_llm):
     """The first 20 MT-Bench questions in the model's chat template."""
-    from vllm_fafo.assets import load_prompts
+    from vllm_fafo.tools.assets import load_prompts
 
     from .engine_utils import chat_prompts
 
@@ -94,7 +94,7 @@ def plain_run(plain_llm, workload):
 def frozen_table_path(model_dir, tmp_path_factory) -> str:
     """A Cacheback frozen table built by the shipped command from HumanEval
     prompts (a stand-in corpus; the engine tests decode MT-Bench)."""
-    from vllm_fafo.frozen_table import main
+    from vllm_fafo.tools.build_frozen_table import main
 
     path = tmp_path_factory.mktemp("frozen") / "humaneval.json"
     main(["--dataset", "humaneval", "--model", model_dir, "--out", str(path)])

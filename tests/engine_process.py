@@ -48,8 +48,8 @@ def tp2(spec: dict | None) -> dict[str, Any]:
     """MT-Bench prompts at ``tensor_parallel_size=2`` (concurrent, different lengths;
     then two at batch 1), and every rank's proposer snapshot."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind())
-    from vllm_fafo.assets import load_prompts, smollm2_tp2_dir
-    from vllm_fafo.metrics import worker_metrics
+    from vllm_fafo.serving.metrics import worker_metrics
+    from vllm_fafo.tools.assets import load_prompts, smollm2_tp2_dir
 
     from .engine_utils import chat_prompts, generate_one_by_one, greedy, make_llm, token_ids
 
@@ -63,12 +63,12 @@ def tp2(spec: dict | None) -> dict[str, Any]:
 
 
 def long16k(spec: dict | None) -> dict[str, Any]:
-    """A 16k-token prompt (vllm_fafo.assets ``long16k``); for FAFO also its counters,
+    """A 16k-token prompt (vllm_fafo.tools.assets ``long16k``); for FAFO also its counters,
     the lane state bytes of every attention layer and vLLM's accepted tokens."""
     # One worker: all of this process's CPUs (vLLM's default binding keeps one back).
     bind_threads_to_all_cpus()
-    from vllm_fafo.assets import load_prompts, smollm2_dir
-    from vllm_fafo.metrics import collect_metrics, vllm_spec_counters
+    from vllm_fafo.serving.metrics import collect_metrics, vllm_spec_counters
+    from vllm_fafo.tools.assets import load_prompts, smollm2_dir
 
     from .engine_utils import chat_prompts, generate_one_by_one, greedy, make_llm, token_ids
     from .test_memory import layer_lane_bytes
@@ -94,8 +94,8 @@ def windowed(spec: dict | None) -> dict[str, Any]:
     """MT-Bench prompts in one batch on SmolLM2 with every layer a ``WINDOW``-token
     sliding window; for FAFO also its counters and the window vLLM ran."""
     bind_threads_to_all_cpus()
-    from vllm_fafo.assets import load_prompts, smollm2_windowed_dir
-    from vllm_fafo.metrics import collect_metrics
+    from vllm_fafo.serving.metrics import collect_metrics
+    from vllm_fafo.tools.assets import load_prompts, smollm2_windowed_dir
 
     from .engine_utils import chat_prompts, greedy, make_llm, token_ids
 
@@ -134,7 +134,7 @@ def sampled(spec: dict | None) -> dict[str, Any]:
 
 def _smollm2_and_workload(spec: dict | None):
     bind_threads_to_all_cpus()
-    from vllm_fafo.assets import smollm2_dir
+    from vllm_fafo.tools.assets import smollm2_dir
 
     from .conftest import ENGINE_SAMPLES
     from .engine_utils import make_llm

@@ -37,7 +37,7 @@ def make_llm(model_dir: str, speculative_config: dict | None,
 
 
 def chat_prompts(llm, texts: list[str]) -> list[str]:
-    from vllm_fafo.assets import chat_prompt
+    from vllm_fafo.tools.assets import chat_prompt
 
     tokenizer = llm.get_tokenizer()
     return [chat_prompt(tokenizer, text) for text in texts]

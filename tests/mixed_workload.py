@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from vllm_fafo.assets import chat_prompt
+from vllm_fafo.tools.assets import chat_prompt
 
 from .engine_utils import ENGINE_MAX_MODEL_LEN
 
@@ -60,7 +60,7 @@ def is_sample(label: str) -> bool:
 def session_workload(tokenizer, seed0: int, num_samples: int) -> Workload:
     """:func:`mixed_workload` on the suite's prompts (the first 20 MT-Bench questions in
     the chat template, 3 as filler text, 40 HumanEval problems)."""
-    from vllm_fafo.assets import load_prompts
+    from vllm_fafo.tools.assets import load_prompts
 
     mtbench = [chat_prompt(tokenizer, text) for text in load_prompts("mtbench", 20)]
     return mixed_workload(tokenizer, mtbench, load_prompts("mtbench", 3), load_prompts("humaneval", 40), seed0,
@@ -131,7 +131,7 @@ def run_mixed(llm, workload: Workload, fafo: bool = True) -> MixedRun:
     whose prefill is split over two steps (``_bookkeeping_sync`` rewinds its generator
     with ``set_offset``: "CPU Generator does not use offset"), which the tests' 256-token
     steps would otherwise do to some."""
-    from vllm_fafo.metrics import collect_metrics
+    from vllm_fafo.serving.metrics import collect_metrics
 
     before = collect_metrics(llm) if fafo else None
     outputs, labels = [], []

@@ -321,7 +321,7 @@ def test_profile_report_counts_the_plugin_s_own_time_per_step(tmp_path):
     """``--profile``: host time in vllm_fafo code and in ``propose`` per engine step."""
     import numpy as np
 
-    from vllm_fafo.pool import NgramPool, Origin
+    from vllm_fafo.drafting.pool import NgramPool, Origin
 
     matrix = _matrix_module()
     pool = NgramPool(max_key_len=4, capacity=4)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.serving.metrics import collect_metrics
 
 from .engine_configs import LANES_SPEC
 from .engine_utils import assert_same_tokens, greedy, make_llm, token_ids

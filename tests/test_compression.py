@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_fafo.compression.quest import QuestPolicy, QuestSettings, quest_scores
-from vllm_fafo.compression.snapkv import SnapKVPolicy, SnapKVSettings, snapkv_votes
 from vllm_fafo.config import FafoConfig, FafoConfigError
+from vllm_fafo.lanes.compression.quest import QuestPolicy, QuestSettings, quest_scores
+from vllm_fafo.lanes.compression.snapkv import SnapKVPolicy, SnapKVSettings, snapkv_votes
 
 
 @pytest.mark.parametrize("hq, hk", [(4, 4), (6, 2), (4, 1)])

@@ -24,11 +24,11 @@ from tests.test_region import HK, HQ, SCALE, D, Request, off_and_on, run_simulat
 from vllm_fafo.attention.cuda import FafoFlashAttentionBackend, FafoFlashAttentionImpl
 from vllm_fafo.attention.lane_impl import LaneAttentionMixin
 from vllm_fafo.attention.paged_kv import LogicalPagedKV, PagedKVLayoutError
-from vllm_fafo.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
-from vllm_fafo.compression.quest import QuestSettings
-from vllm_fafo.compression.snapkv import SnapKVSettings
 from vllm_fafo.config import FafoConfigError, RegionSpec
-from vllm_fafo.step_plan import attach_plan
+from vllm_fafo.lanes.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
+from vllm_fafo.lanes.compression.quest import QuestSettings
+from vllm_fafo.lanes.compression.snapkv import SnapKVSettings
+from vllm_fafo.lanes.step_plan import attach_plan
 
 BLOCK_SIZE = 16
 MAX_POSITIONS = 600  # test_region's requests hold this many true positions
@@ -253,6 +253,21 @@ def test_cuda_defaults_say_where_padded_steps_leave_cuda_graphs(model_dir, monke
     assert len(defaults) == 2  # lanes asked for by name: no CUDA default applies, none logged
     assert "30 requests with 16-token drafts" in defaults[0]
     assert "102 requests with 4-token drafts" in defaults[1]
+
+
+def test_cpu_defaults_are_logged_too(model_dir):
+    """The start-up line names the platform defaults the engine took, on CPU as on CUDA."""
+    from vllm_fafo.patches import engine_args
+
+    from .engine_utils import vllm_info_lines
+
+    with vllm_info_lines() as messages:
+        for spec in ({"method": "fafo"}, {"method": "fafo", "num_lanes": 4, "controller": "fixed",
+                                          "num_speculative_tokens": 4, "pad_drafts": False}):
+            engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=spec))
+    assert [m for m in messages if m.startswith("vllm-fafo: CPU defaults")] == [
+        "vllm-fafo: CPU defaults num_lanes=16, controller='goodput', num_speculative_tokens=16, "
+        "pad_drafts=False; set these keys to override"]  # the second sets every platform key itself
 
 
 @pytest.mark.parametrize(

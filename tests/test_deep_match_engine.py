@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.serving.metrics import collect_metrics
 
 from .engine_configs import LANES_SPEC
 from .engine_utils import greedy, token_ids

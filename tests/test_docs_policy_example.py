@@ -12,8 +12,8 @@ import sys
 import types
 from pathlib import Path
 
-from vllm_fafo import compression
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.lanes import compression
 
 from .test_region import HK, Request, run_simulation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_fafo.draft_judge import DraftJudge
+from vllm_fafo.control.draft_judge import DraftJudge
 
 MAX_DRAFT = 6
 

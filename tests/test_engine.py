@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
-from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.serving.metrics import collect_metrics
 
 from .engine_configs import CONFIGS, LANES_SPEC, SAMPLED
 from .engine_utils import greedy

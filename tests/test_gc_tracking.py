@@ -3,7 +3,7 @@
 A vLLM engine freezes its start-up heap, so a full collection walks only what
 was made since, and the pools and text indexes are most of that: with one tracked
 dict (or list) per key, full collections were triggered by them and paused
-the step for up to 0.43 s at 32 requests x 1,024 tokens (docs/results.md "Garbage collector
+the step for up to 0.43 s at 32 requests x 1,024 tokens (docs/results/serving.md "Garbage collector
 pauses"). These tests count what a collection leaves tracked after thousands of
 n-grams; each fails on the per-key dicts of enum members and tuples, and lists,
 that the pool and the text index held before."""
@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.drafting.deep_match import TextCache
+from vllm_fafo.drafting.pool import NgramPool, Origin
 from vllm_fafo.proposer import file_ngrams
-from vllm_fafo.text_match import TextCache
 
 TOKENS = 5000
 MAX_NEW_TRACKED = 50

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from vllm_fafo.goodput import (
+from vllm_fafo.control.goodput import (
     LANE_YIELD_UNSEEN,
     FixedController,
     GoodputController,
@@ -181,7 +181,7 @@ def test_reach_probability_chains_continuation_rates_and_is_optimistic_where_unt
 def test_continuation_rates_equal_the_recurrence_written_out():
     """The closed form against the recurrence, position by position, on random
     decayed counts: one prior per row and one shared by all rows."""
-    from vllm_fafo.goodput import _continuation
+    from vllm_fafo.control.goodput import _continuation
 
     rng = np.random.default_rng(3)
     trials = rng.random((5, 64)) * rng.choice([0.0, 1.0, 1e4], size=(5, 64))
@@ -466,7 +466,7 @@ def simulate_tree(machine: TreeMachine, controller, steps: int, keep_branches: b
     """Tokens per second over ``steps`` steps of one request with full-length spines and
     every rank of branch off every spine node; ``keep_branches`` True / False pins all
     or none of them (None: the controller chooses). Also the branch tokens per step."""
-    from vllm_fafo.goodput import BranchSet
+    from vllm_fafo.control.goodput import BranchSet
 
     rng = np.random.default_rng(rng_seed)
     ranks = len(machine.first)
@@ -560,7 +560,7 @@ def test_a_step_with_branches_is_priced_at_least_what_tree_steps_cost_over_plain
     MT-Bench: 56.3 ms per step with 1 branch token against 46.2 ms without). Tree steps
     seen only behind long spines must not price a branch behind a short spine as their
     curve scaled down by tokens would: cheaper than the plain step without it."""
-    from vllm_fafo.goodput import BranchSet
+    from vllm_fafo.control.goodput import BranchSet
 
     plain, overhead_s, max_draft = linear(40.0, 1.0), 0.010, 16
     controller = GoodputController(LANE_LEN, max_draft, MAX_KEY_LEN)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
-from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.serving.metrics import collect_metrics
 
 from .engine_utils import (
     assert_concurrent_identical,
@@ -57,7 +57,7 @@ LANE_SPECS = {
     "quest": {"method": "fafo", "num_lanes": 16, "compression": "quest", "kv_budget": 64, "sink_tokens": 4,
               "controller": "fixed"},
     "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6},  # whole-cache lanes
-    "default": {"method": "fafo"},  # on CUDA: pool only, padded 16-token drafts (patches/engine_args.py)
+    "default": {"method": "fafo"},  # on CUDA: pool only, padded 16-token drafts (vllm_fafo/patches/engine_args.py)
     # draft trees: branches through FlashAttention's own kernel (vllm_fafo/attention/cuda.py)
     "tree": {"method": "fafo", "num_lanes": 0, "num_candidates": 4, "controller": "fixed"},
 }
@@ -88,7 +88,7 @@ def gpu_lanes_llm(request, model_dir, batch_invariant):
 
 @pytest.fixture(scope="module")
 def gpu_prompts(gpu_plain_llm):
-    from vllm_fafo.assets import load_prompts
+    from vllm_fafo.tools.assets import load_prompts
 
     return chat_prompts(gpu_plain_llm, load_prompts("mtbench", 10))
 

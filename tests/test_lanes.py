@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from vllm_fafo.lanes import LaneState, lane_mask, tail_index
-from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.lanes.state import LaneState, lane_mask, tail_index
 
 
 def test_lanes_start_from_spread_prompt_windows():

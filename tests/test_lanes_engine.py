@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fafo.assets import load_prompts
 from vllm_fafo.attention.cpu import FafoCPUAttentionBackendImpl
-from vllm_fafo.metrics import collect_metrics
-from vllm_fafo.step_plan import plan_of
+from vllm_fafo.lanes.step_plan import plan_of
+from vllm_fafo.serving.metrics import collect_metrics
+from vllm_fafo.tools.assets import load_prompts
 
 from .engine_configs import LANES_SPEC
 from .engine_utils import assert_same_tokens, chat_prompts, generate_one_by_one, greedy, token_ids

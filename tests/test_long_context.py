@@ -1,5 +1,5 @@
-"""A 16k-token context (vllm_fafo.assets ``long16k``): FAFO's tokens equal plain vLLM's
-for each compression policy, and each policy's lane state holds the bytes its README
+"""A 16k-token context (vllm_fafo.tools.assets ``long16k``): FAFO's tokens equal plain vLLM's
+for each compression policy, and each policy's lane state holds the bytes the documented
 formula says at this max_model_len (Quest's page metadata grows with it).
 
 Slow (a 16k-token prefill per engine on CPU): skipped in CI, run by hand; each
@@ -13,7 +13,7 @@ import pytest
 from .engine_configs import LANES_SPEC
 from .engine_process import LONG_MODEL_LEN, run_case
 from .engine_utils import assert_same_tokens
-from .test_memory import readme_formula
+from .test_memory import documented_formula
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ LONG_SPECS = {
     "snapkv": {**LONG_LANES, "compression": "snapkv"},
 }
 """Eight lanes pinned on over a 256-token region: 1.5 % of the context (the setting
-README's measurement ran)."""
+docs/results/lanes.md's measurement ran)."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_long_context_identical_to_plain_and_memory_as_formula(policy, plain_lon
     assert_same_tokens(plain_long_tokens, result["tokens"])
     rows = min(spec.get("max_lane_requests", 8), result["max_num_seqs"])
     for held, num_heads, num_kv_heads, head_size in result["layer_bytes"]:
-        assert held == readme_formula(spec, rows, num_heads, num_kv_heads, head_size, LONG_MODEL_LEN, 4)
+        assert held == documented_formula(spec, rows, num_heads, num_kv_heads, head_size, LONG_MODEL_LEN, 4)
     assert result["metrics"]["tail_tokens"] > 0
     tokens = sum(map(len, result["tokens"]))
     print(f"{policy}: tau {tokens / (tokens - result['accepted']):.3f}, "

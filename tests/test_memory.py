@@ -1,6 +1,6 @@
 """Lane memory is allocated when vLLM builds the layers, so vLLM accounts for it.
 
-The README's per-layer formula is checked against the bytes every layer of a
+docs/configuration.md's per-layer formula ("Memory") is checked against the bytes every layer of a
 real engine actually holds, and every one of those bytes must exist when
 vLLM sizes the KV cache (instead of landing on top of a KV cache sized as if
 they did not exist).
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fafo.compression import QuestPolicy
-from vllm_fafo.compression.base import LayerShape
-from vllm_fafo.compression.quest import QuestSettings
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.lanes.compression import QuestPolicy
+from vllm_fafo.lanes.compression.base import LayerShape
+from vllm_fafo.lanes.compression.quest import QuestSettings
 
 from .engine_configs import CONFIGS, LANES_SPEC
 from .engine_utils import ENGINE_MAX_MODEL_LEN
@@ -38,12 +38,13 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIGURATION_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def readme_formulas() -> dict[str, str]:
-    """README "Memory"'s table: policy -> its bytes per attention layer, as a Python expression."""
-    section = README.read_text().split("### Memory", 1)[1].split("\n#", 1)[0]
+def documented_formulas() -> dict[str, str]:
+    """docs/configuration.md "Memory"'s table: policy -> its bytes per attention layer, as a
+    Python expression."""
+    section = CONFIGURATION_DOC.read_text().split("## Memory", 1)[1].split("\n#", 1)[0]
     formulas: dict[str, str] = {}
     base = ""
     for names, cell in re.findall(r"^\| ([^|]+) \| ([^|]+) \|$", section, re.M):
@@ -58,9 +59,9 @@ def readme_formulas() -> dict[str, str]:
     return formulas
 
 
-def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, head_size: int,
+def documented_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, head_size: int,
                    max_model_len: int, dtype_bytes: int) -> int:
-    """README "Memory": bytes of one attention layer's lane state, evaluated from the README's table."""
+    """Bytes of one attention layer's lane state, evaluated from docs/configuration.md's table."""
     defaults = FafoConfig()
     names = {
         "R": rows, "k": spec.get("num_speculative_tokens", defaults.num_speculative_tokens),
@@ -68,7 +69,7 @@ def readme_formula(spec: dict, rows: int, num_heads: int, num_kv_heads: int, hea
         "kv_budget": spec["kv_budget"], "quest_page_size": spec.get("quest_page_size", 16),
         "snapkv_window": spec.get("snapkv_window", 32), "ceil": math.ceil,
     }
-    return eval(readme_formulas()[spec.get("compression", "streaming")], {"__builtins__": {}}, names)
+    return eval(documented_formulas()[spec.get("compression", "streaming")], {"__builtins__": {}}, names)
 
 
 def layer_lane_bytes(worker) -> list[tuple[int, int, int, int]]:
@@ -87,17 +88,17 @@ def _check_formula(llm, spec: dict) -> None:
     rows = min(spec.get("max_lane_requests", 8), llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     assert len(layers) == llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     for held, num_heads, num_kv_heads, head_size in layers:
-        assert held == readme_formula(spec, rows, num_heads, num_kv_heads, head_size, ENGINE_MAX_MODEL_LEN, 4)
+        assert held == documented_formula(spec, rows, num_heads, num_kv_heads, head_size, ENGINE_MAX_MODEL_LEN, 4)
 
 
 @pytest.mark.engine
-def test_streaming_lane_bytes_match_the_readme_formula(lanes_llm):
+def test_streaming_lane_bytes_match_the_documented_formula(lanes_llm):
     _check_formula(lanes_llm, LANES_SPEC)
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("name", ["quest", "snapkv"])
-def test_policy_lane_bytes_match_the_readme_formula(name, engine):
+def test_policy_lane_bytes_match_the_documented_formula(name, engine):
     _check_formula(engine(name), CONFIGS[name])
 
 

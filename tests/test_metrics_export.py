@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from vllm_fafo.metrics import FafoMetrics
-from vllm_fafo.metrics_export import (
+from vllm_fafo.drafting.pool import Origin
+from vllm_fafo.serving.metrics import FafoMetrics
+from vllm_fafo.serving.metrics_export import (
     COUNTERS,
     GAUGES,
     SNAPSHOT_FILE,
@@ -17,7 +18,6 @@ from vllm_fafo.metrics_export import (
     SnapshotPublisher,
     snapshot_dir,
 )
-from vllm_fafo.pool import Origin
 
 from .test_proposer import make_proposer
 
@@ -32,7 +32,7 @@ def _snapshot(**counters) -> dict:
 
 
 def test_every_counter_and_gauge_is_exported():
-    """A counter added to FafoMetrics or the snapshot must get a metric (and a README line)."""
+    """A counter added to FafoMetrics or the snapshot must get a metric (and a line in docs/configuration.md)."""
     snapshot_keys = set(_snapshot()) - {"controller"}
     assert set(COUNTERS) == {f.name for f in fields(FafoMetrics)}
     assert set(COUNTERS) | set(GAUGES) == snapshot_keys

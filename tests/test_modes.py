@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.frozen_table import build_table, load_table, save_table
-from vllm_fafo.lanes import LaneState
+from vllm_fafo.drafting.frozen_table import load_table
+from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.lanes.state import LaneState
 from vllm_fafo.modes import CacheBackConfig, LookaheadConfig, parse_speculative_config
-from vllm_fafo.pool import NgramPool, Origin
 from vllm_fafo.proposer import FafoProposer
+from vllm_fafo.tools.build_frozen_table import build_table, save_table
 
 from .test_proposer import FakeBatch
 

@@ -161,7 +161,7 @@ def test_lanes_refused_where_there_is_no_lane_attention(model_dir, monkeypatch):
     assert pool_only.speculative_config["method"] == "custom_class"
 
 
-@pytest.mark.parametrize("module", ["vllm_fafo.proposer", "vllm_fafo.fumble", "vllm_fafo.plugin",
+@pytest.mark.parametrize("module", ["vllm_fafo.proposer", "vllm_fafo.lanes.planner", "vllm_fafo.plugin",
                                     "vllm_fafo.patches.engine_args"])
 def test_plugin_info_lines_reach_vllms_log_handler(module):
     """vLLM configures only its own logger tree; INFO lines (the controller's periodic

@@ -2,7 +2,7 @@
 
 import random
 
-from vllm_fafo.pool import NgramPool, Origin
+from vllm_fafo.drafting.pool import NgramPool, Origin
 from vllm_fafo.proposer import file_ngrams
 
 

@@ -8,19 +8,11 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.drafting.prior_table import PriorTable, check_setting, default_path, load_table, resolve, save_table
 from vllm_fafo.errors import FafoConfigError
-from vllm_fafo.pool import NgramPool, Origin
-from vllm_fafo.prior_table import (
-    PRIMER_MESSAGE,
-    PriorTable,
-    answer_prefix,
-    check_setting,
-    default_path,
-    load_table,
-    resolve,
-    save_table,
-)
 from vllm_fafo.proposer import chain_draft
+from vllm_fafo.tools.build_prior_table import PRIMER_MESSAGE, answer_prefix
 
 ROWS = np.array([
     [1, 2, 3],  # 0 -> 1 2 3
@@ -111,7 +103,7 @@ def test_auto_finds_the_table_built_for_the_model(tmp_path, monkeypatch, caplog)
     model = tmp_path / "model"
     model.mkdir()
     assert resolve("off", str(model), 4) is None
-    plugin_logger = logging.getLogger("vllm.vllm_fafo.prior_table")  # vLLM's tree, which does not propagate
+    plugin_logger = logging.getLogger("vllm.vllm_fafo.drafting.prior_table")  # vLLM's tree, which does not propagate
     plugin_logger.addHandler(caplog.handler)
     try:
         assert resolve("auto", str(model), 4) is None
@@ -167,7 +159,7 @@ def test_build_rows_are_the_targets_greedy_continuations(plain_llm, model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_fafo.prior_table import build_rows
+    from vllm_fafo.tools.build_prior_table import build_rows
 
     tokens = range(1000, 1006)
     rows, prefix = build_rows(plain_llm, width=3, progress=False, tokens=tokens)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.pool import NgramPool
+from vllm_fafo.drafting.pool import NgramPool
 from vllm_fafo.proposer import FafoProposer
 
 from .test_pool import _reference_lookup
@@ -233,7 +233,7 @@ def test_branch_hidden_states_come_from_the_planned_forward_only():
     import torch
 
     from vllm_fafo.proposer import FafoStep
-    from vllm_fafo.tree import Branch, BranchPlan, layout_request
+    from vllm_fafo.verification.draft_tree import Branch, BranchPlan, layout_request
 
     proposer = make_proposer()
     request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))])

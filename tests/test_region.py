@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from vllm_fafo.attention.region import CompressedRegion
-from vllm_fafo.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
-from vllm_fafo.compression.base import LayerShape
-from vllm_fafo.compression.quest import QuestSettings
-from vllm_fafo.compression.snapkv import SnapKVSettings
-from vllm_fafo.fumble import BatchView, FumbleLanes
+from vllm_fafo.lanes.compression import FullCachePolicy, QuestPolicy, SnapKVPolicy, StreamingPolicy
+from vllm_fafo.lanes.compression.base import LayerShape
+from vllm_fafo.lanes.compression.quest import QuestSettings
+from vllm_fafo.lanes.compression.snapkv import SnapKVSettings
+from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 
 HQ, HK, D = 4, 2, 8
 SCALE = D**-0.5

@@ -69,7 +69,7 @@ def test_a_biased_acceptance_rule_moving_005_onto_the_draft_fails(draft, least_p
 
 
 def test_power_at_the_suites_sizes():
-    """What README's test section states: a shift of 0.05 in total variation into a token
+    """What docs/results/test-suite.md states: a shift of 0.05 in total variation into a token
     of probability up to 0.04 is caught with probability >= 0.9 at one position; between
     the two likeliest tokens (0.3 and 0.2 here) it mostly is not, at these sizes."""
     into = TARGET.copy()

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from vllm_fafo.pool import GUESS_VOTES, NgramPool, Origin, alternatives_in, match_pools
-from vllm_fafo.shared_pool import TenantPools
+from vllm_fafo.drafting.pool import GUESS_VOTES, NgramPool, Origin, alternatives_in, match_pools
+from vllm_fafo.drafting.shared_pool import TenantPools
 
 from .test_proposer import FakeBatch, make_proposer
 

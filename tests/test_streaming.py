@@ -4,7 +4,7 @@ sinks and the latest window, nothing else."""
 import numpy as np
 import pytest
 
-from vllm_fafo.compression import RegionLayout, StreamingPolicy
+from vllm_fafo.lanes.compression import RegionLayout, StreamingPolicy
 
 
 def write_all(layout: RegionLayout, chunks: list[int]) -> np.ndarray:

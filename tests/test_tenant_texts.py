@@ -1,4 +1,4 @@
-"""The texts deep matches draft from (vllm_fafo.text_match.TenantTexts): which
+"""The texts deep matches draft from (vllm_fafo.drafting.deep_match.TenantTexts): which
 tenant's answers answer, what is bounded and forgotten, and the keys that went."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.drafting.deep_match import TenantTexts
 from vllm_fafo.errors import FafoConfigError
-from vllm_fafo.text_match import TenantTexts
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int64)
 ANSWER = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]

@@ -1,4 +1,4 @@
-"""Deep matches (vllm_fafo.text_match) against a
+"""Deep matches (vllm_fafo.drafting.deep_match) against a
 brute-force scan of the texts, and the draft the proposer makes of them."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.pool import Origin
+from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TextCache
+from vllm_fafo.drafting.pool import Origin
 from vllm_fafo.proposer import deep_match_draft, longest_match, request_pool, tenant_texts
-from vllm_fafo.text_match import MAX_POSITIONS, TextCache
 
 KEY_LEN, DEPTH = 3, 24
 

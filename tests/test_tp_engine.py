@@ -2,7 +2,7 @@
 plain vLLM's at TP 2, and both ranks' proposers did the same thing.
 
 Each engine runs in its own process (tests/engine_process.py) on SmolLM2 with its
-heads padded to a multiple of two (vllm_fafo.assets.smollm2_tp2_dir).
+heads padded to a multiple of two (vllm_fafo.tools.assets.smollm2_tp2_dir).
 """
 
 from __future__ import annotations

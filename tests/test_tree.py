@@ -9,8 +9,8 @@ import torch
 
 from vllm_fafo.attention.branch_attention import request_branch_attention
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.pool import NgramPool, Origin
-from vllm_fafo.tree import (
+from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.verification.draft_tree import (
     PLACEHOLDER,
     Branch,
     accept_greedy,
@@ -152,7 +152,7 @@ def test_sampled_acceptance_keeps_the_target_distribution():
     """vLLM's one-hot rejection sampling of the spine, then accept_sampled on the
     branches, then the rest sampled from the target: every 3-token sequence comes out
     with its probability under the target (binned exactly: 64 sequences)."""
-    from vllm_fafo.tree import accept_sampled
+    from vllm_fafo.verification.draft_tree import accept_sampled
 
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -193,7 +193,7 @@ def test_sampled_acceptance_keeps_the_target_distribution():
 def test_which_requests_get_branches():
     from vllm import SamplingParams
 
-    from vllm_fafo.tree import keeps_exact_with_branches
+    from vllm_fafo.verification.draft_tree import keeps_exact_with_branches
 
     assert keeps_exact_with_branches(SamplingParams(temperature=0.0))
     assert keeps_exact_with_branches(SamplingParams(temperature=0.8, top_p=0.9, top_k=20))
@@ -208,7 +208,7 @@ def test_sampling_probs_are_temperature_top_k_top_p_then_softmax():
     keeps the largest tokens whose probabilities sum to at least p."""
     from vllm import SamplingParams
 
-    from vllm_fafo.tree import sampling_probs
+    from vllm_fafo.verification.draft_tree import sampling_probs
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
     got = sampling_probs(logits, SamplingParams(temperature=0.5, top_k=3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fafo.metrics import collect_metrics
+from vllm_fafo.serving.metrics import collect_metrics
 
 from .engine_configs import TREE_SPEC
 from .engine_process import WINDOW, run_case

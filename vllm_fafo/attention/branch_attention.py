@@ -16,12 +16,12 @@ per layer for the k-th branch of every request (a request's branches overlap
 each other's slots or context).
 
 :func:`request_branch_attention` writes the same attention out (softmax over
-exactly those keys, with the bias :func:`vllm_fafo.tree.attention_bias`
+exactly those keys, with the bias :func:`vllm_fafo.verification.draft_tree.attention_bias`
 builds): the dense reference the kernel path is tested and timed against.
 
 The layer's branch keys and values are kept on the plan, so an accepted
 branch's KV can be copied into the paged cache once sampling is done
-(:mod:`vllm_fafo.tree`).
+(:mod:`vllm_fafo.verification.draft_tree`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_fafo.attention.paged_kv import PagedKVReader
-from vllm_fafo.tree import BranchPlan, RequestBranches
+from vllm_fafo.verification.draft_tree import BranchPlan, RequestBranches
 
 Rows = slice | torch.Tensor
 """Batch indices: a slice where they run consecutively (one request: indexing is a view)."""
@@ -144,7 +144,7 @@ def request_branch_attention(
     value_tiles: torch.Tensor,  # (blocks, Hk, block_size, D)
     request: RequestBranches,
     scale: float,
-    bias: torch.Tensor,  # (T, num_paged + T) float32: vllm_fafo.tree.attention_bias(request)
+    bias: torch.Tensor,  # (T, num_paged + T) float32: vllm_fafo.verification.draft_tree.attention_bias(request)
 ) -> torch.Tensor:
     """Attention output (T, Hq, D, float32) of one request's branch tokens.
 

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from vllm_fafo.lanes import lane_mask
+from vllm_fafo.lanes.state import lane_mask
 
 
 def lane_attention(

@@ -28,9 +28,9 @@ from vllm.v1.attention.backend import AttentionType
 from vllm_fafo.attention.branch_attention import BranchKernel, kernel_rounds, run_branches_in_kernel
 from vllm_fafo.attention.paged_kv import PagedKVReader
 from vllm_fafo.attention.region import CompressedRegion
-from vllm_fafo.compression.base import LayerShape
 from vllm_fafo.config import RegionSpec, fafo_settings
-from vllm_fafo.step_plan import StepPlan, branches_of, plan_of
+from vllm_fafo.lanes.compression.base import LayerShape
+from vllm_fafo.lanes.step_plan import StepPlan, branches_of, plan_of
 
 
 class LaneAttentionMixin(ABC):

@@ -50,7 +50,7 @@ class PagedKVLayoutError(RuntimeError):
 
 
 class PagedKVReader(ABC):
-    """:class:`vllm_fafo.compression.base.PagedKV` over one layer's cache.
+    """:class:`vllm_fafo.lanes.compression.base.PagedKV` over one layer's cache.
 
     Subclasses say how to gather from their backend's layout.
     """

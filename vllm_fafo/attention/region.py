@@ -4,7 +4,7 @@ Shapes are fixed for the engine's life (``rows`` request slots x
 ``kv_budget`` tokens), so no step allocates and kernels see static shapes
 (FAFO Sec. 4.4, ``B_fixed``). The attention impl allocates it when vLLM
 builds the layer, before vLLM sizes the KV cache, so vLLM's memory
-accounting sees it (bytes per layer: README, "Memory"). Rejected drafts never enter the region: drafts
+accounting sees it (bytes per layer: docs/configuration.md, "Memory"). Rejected drafts never enter the region: drafts
 are staged and only the accepted ones are committed, one step later. The
 sink and ring parts are written by position (the plan's flat indices); the
 selected part is whatever the compression policy chose.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from vllm_fafo.attention.lane_attention import batched_lane_attention, lane_attention
-from vllm_fafo.compression.base import CompressionPolicy, LaneStep, LayerShape, PagedKV, RegionLayout
-from vllm_fafo.step_plan import StepPlan
+from vllm_fafo.lanes.compression.base import CompressionPolicy, LaneStep, LayerShape, PagedKV, RegionLayout
+from vllm_fafo.lanes.step_plan import StepPlan
 
 
 @dataclass

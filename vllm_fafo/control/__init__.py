@@ -1,0 +1,1 @@
+"""The goodput controller and the draft judge it learns from."""

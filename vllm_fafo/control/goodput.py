@@ -1,0 +1,713 @@
+"""Goodput controller: spend lane and draft tokens only where they pay, on this machine.
+
+A step's tokens (real + drafts + lanes) cost what this machine charges for
+them: on a GPU about nothing up to a knee, on a CPU every token. Lane tokens
+earn later (their n-grams are accepted in later steps), draft tokens earn if
+accepted. Each step the controller picks, for the whole batch, the lanes per
+request, the draft length and the draft tree's branch tokens that maximise
+expected accepted tokens per second (SmartSpec / TurboSpec's goodput
+objective), down to no lanes, no branches and no drafts when nothing pays.
+Everything is learned from the engine's own steps:
+
+- :class:`StepCostModel`: seconds per step against tokens in the forward,
+  one decayed mean per point of a geometric grid of token counts, read as a
+  monotone piecewise-linear curve (no hardware table).
+- :class:`YieldEstimates`: decayed continuation rates per draft position and
+  matched key length, and per branch position and rank among sibling branches;
+  accepted tokens per decoding request from text n-grams, and accepted
+  lane-n-gram tokens per lane token run.
+- Two more :class:`StepCostModel`: one for steps with lanes, one for steps with
+  draft-tree branches, whose attention (the plugin's own) costs more than their
+  token count says; they never teach the curve plain steps are priced by.
+
+Draft lengths are chosen per request from the candidate's support (suffix
+decoding's rule, learned): every draft token has an estimated probability of
+being accepted, from its position and the length of the key its draft was
+found under; the controller keeps the most likely tokens of the whole batch,
+as many as maximise expected accepted tokens per second. A draft found under
+a long key runs long, one found under a single token is cut early, and where
+tokens are free on this machine every request drafts up to
+``num_speculative_tokens``. Tokens past twice the matched context count for a
+quarter of their estimate (:data:`DRAFT_PER_MATCHED_TOKEN`), so where tokens
+cost a draft grows with its match, as suffix decoding's drafts do.
+
+Exploration: the cost model extrapolates flat past the largest token count it
+has seen (so untried sizes look cheap and get tried once). Draft yields need
+no probing: every found draft is judged against the text, drafted or not
+(vllm_fafo.control.draft_judge). With lanes off the controller probes them (the most
+lanes it prices at no more than twice the plain step, for ``probe_burst``
+steps) after ``probe_interval`` steps, doubling the interval after each probe
+that did not pay (bounded by ``max_probe_interval``), so a change in cost or
+lane yield is followed within a bounded number of steps at a cost amortised
+to a few percent. A lane probe
+runs only where its lanes could pay at the lane yield last measured (before
+any lane ran: :data:`LANE_YIELD_UNSEEN`), or once lanes were off for ``max_probe_interval``
+steps: on a machine where lane tokens cost more than they ever earned, the
+probes' own cost stops there.
+
+``"controller": "fixed"`` (:class:`FixedController`) keeps the configured
+sizes: the lanes the free token slots allow and ``num_speculative_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CONTROLLERS = ("goodput", "fixed")
+
+BRANCH_RANKS = 8
+"""Branch ranks (place among the branches off one node) with their own yields; higher
+ranks share the last row."""
+
+EXACT_EVIDENCE = 5
+"""Matched context lengths up to this many tokens (the pool's keys, the shortest deep
+match) have a row of draft yields each; longer ones share rows whose ends grow by
+half (6-7, 8-11, 12-16, 17-25, ...): a batch-1 engine sees a few hundred drafts a
+minute, too few to learn 24 rows of 16 positions apiece."""
+
+
+def evidence_rows(max_key_len: int) -> np.ndarray:
+    """Row of draft yields for each matched context length 0..``max_key_len``."""
+    lengths = np.arange(max_key_len + 1)
+    beyond = np.ceil(np.log(np.maximum(lengths, EXACT_EVIDENCE) / EXACT_EVIDENCE) / math.log(1.5) - 1e-9)
+    return np.where(lengths <= EXACT_EVIDENCE, lengths, EXACT_EVIDENCE + beyond).astype(np.int64)
+
+
+DRAFT_PER_MATCHED_TOKEN = 2
+"""Draft tokens per token of matched context at full worth; the tokens past them count
+for :data:`TAIL_WORTH` of their estimated reach (suffix decoding's ``max_spec_factor``,
+which vLLM ``suffix`` sets to 1, as a discount instead of a cut).
+
+The estimate prices a token by what it yields in this step. A draft's tail found
+under a short match is paid for by every draft that breaks early; where its first
+tokens are accepted instead, the next step finds the continuation under a match
+that much deeper, where the evidence for the rest is stronger. Replayed over
+plain vLLM's outputs (docs/results/goodput-controller.md, "Drafts grow with their match"), 2 with a quarter
+of the worth came within 0.3 % of the better of no discount and a hard cut at 2
+in every cell at CPU-like token prices (up to 4.7 % above no discount), and lost
+nothing where tokens are nearly free, where the hard cut lost up to 2.2 % (a
+discounted token that costs nothing still pays)."""
+TAIL_WORTH = 0.25
+"""Share of its estimated reach a token past ``DRAFT_PER_MATCHED_TOKEN`` x the
+matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
+
+
+LANE_YIELD_UNSEEN = 0.05
+"""Accepted lane-n-gram tokens per lane token a probe is judged by before any lane ran:
+six to seven times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
+and HumanEval: 0.007-0.008 on top of the uncut drafts; docs/results/goodput-controller.md, "Lane probes before any
+lane ran"). Where lane tokens cost next to nothing (a GPU below its knee) lanes could
+pay at that yield and are probed when first due; where every lane token costs a share
+of the step (the 2-core CPU: about 1.1 ms per lane token against 53 ms for a
+1-request step yielding 3.7 tokens, a break-even yield of 0.075) they could not, once
+the cost curve has priced a large forward (the first prefill), and the first probe
+waits until the curve has forgotten the sizes it priced, as later probes do. (With
+1.0, the first probe always ran: on that CPU its 4 steps took 0.85 s of a 12.3-second
+HumanEval batch-8 run.)"""
+
+
+_GRID = np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64))
+"""Token counts the cost model keeps a mean for: 1 .. 131072, about 4 per doubling."""
+_LOG_GRID = np.log(_GRID)
+
+
+def isotonic_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (pool
+    adjacent violators: a run that decreases becomes its weighted mean). A few dozen
+    points at most, once per step; SciPy's ``isotonic_regression`` does the same but is
+    not otherwise a dependency of vLLM or this plugin."""
+    means: list[float] = []
+    masses: list[float] = []
+    runs: list[int] = []
+    for value, weight in zip(values.tolist(), weights.tolist()):
+        means.append(value)
+        masses.append(weight)
+        runs.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            mass = masses[-2] + masses[-1]
+            means[-2] = (means[-2] * masses[-2] + means[-1] * masses[-1]) / mass
+            masses[-2], runs[-2] = mass, runs[-2] + runs[-1]
+            del means[-1], masses[-1], runs[-1]
+    return np.repeat(np.asarray(means, dtype=np.float64), runs)
+
+
+@dataclass
+class StepCostModel:
+    """Seconds per step as a monotone function of the tokens in the forward."""
+
+    weight: float = 0.2
+    """Weight of a new sample in its grid point's decayed mean."""
+    stale_after: int = 64
+    """Steps after which a point's mean is replaced by its next sample, not averaged
+    with it: sizes that are tried rarely (probes) must not keep an old machine's cost."""
+    forget_after: int = 512
+    """Steps after which a point no longer counts at all: the curve is read from
+    what the machine did lately, and an old expensive size gets tried again."""
+    _steps: int = 0
+    _updated_at: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=np.int64))
+    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    _samples: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
+    """Samples behind each point's mean, up to the ``1 / weight`` its decay keeps (0: never seen)."""
+    _curve: tuple[np.ndarray, np.ndarray] | None = None  # read once per step, not per question
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1:
+            return  # a step without tokens prices nothing
+        self._steps += 1
+        self._curve = None
+        point = int(np.abs(_LOG_GRID - math.log(tokens)).argmin())
+        stale = self._steps - self._updated_at[point] > self.stale_after
+        self._updated_at[point] = self._steps
+        if stale or not self._samples[point]:
+            self._tokens[point], self._seconds[point], self._samples[point] = tokens, seconds, 1.0
+            return
+        self._tokens[point] += self.weight * (tokens - self._tokens[point])
+        self._seconds[point] += self.weight * (seconds - self._seconds[point])
+        self._samples[point] = min(self._samples[point] + 1.0, 1.0 / self.weight)
+
+    @property
+    def has_data(self) -> bool:
+        return len(self.curve()[0]) > 0
+
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """The recent (tokens, seconds) points, seconds made non-decreasing by a least-squares
+        fit weighted by each point's samples. (A running maximum let one slow sample at a
+        size seldom run set the price of every larger size: on the 2-core CPU the 8-token
+        point's latest sample, 58.8 ms, priced every step of 8-17 tokens, whose 11- and
+        17-token steps had medians of 45.7 and 53.8 ms.)"""
+        if self._curve is None:
+            recent = (self._samples > 0) & (self._steps - self._updated_at <= self.forget_after)
+            self._curve = self._tokens[recent], isotonic_fit(self._seconds[recent], self._samples[recent])
+        return self._curve
+
+    def predict(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Seconds of a step with ``tokens`` tokens, interpolated between the sizes seen.
+
+        Outside them it is optimistic, so the controller goes and looks: flat
+        above the largest size seen, proportional to the tokens below the smallest."""
+        known_tokens, known_seconds = self.curve()
+        if not len(known_tokens):
+            return np.ones(np.shape(tokens))
+        tokens = np.asarray(tokens, dtype=np.float64)
+        inside = np.interp(tokens, known_tokens, known_seconds)
+        below = known_seconds[0] * tokens / known_tokens[0]
+        return np.where(tokens < known_tokens[0], below, inside)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step cost and earned, as the proposer saw it."""
+
+    tokens: int  # in the forward: real + drafts + lanes + branches
+    seconds: float  # from the start of the step to the end of proposing
+    lane_tokens: int
+    lane_accepted: int  # accepted tokens whose candidate a lane filed
+    text_accepted: int  # accepted tokens from the prompt's and output's n-grams
+    decoding_requests: int  # requests that decoded a token this step
+    # the drafts judged this step (vllm_fafo.control.draft_judge: found drafts, whole, against the text):
+    draft_lengths: np.ndarray  # their tokens
+    accepted_lengths: np.ndarray  # their tokens the text matched from the first on
+    key_lens: np.ndarray  # length of the key each was found under (0: none)
+    tree_tokens: int = 0  # draft-tree branch tokens in the forward
+    # draft-tree branches off the node where their spine stopped, one entry each:
+    branch_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # place among siblings
+    branch_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens
+    branch_matches: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens accepted
+
+
+@dataclass
+class YieldEstimates:
+    """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps),
+    the draft yields per judged draft (a window of ~1/(1-draft_decay) drafts, so a
+    batch-1 engine keeps as much evidence as a batch-32 one).
+
+    Drafts are estimated as chains: per matched key length (:func:`evidence_rows`) and position k, how
+    often a draft that reached position k (found that long, the positions
+    before it matched) had it matched, every found draft judged whole against
+    the text (vllm_fafo.control.draft_judge), however much of it was verified. A position not tried lately is judged
+    like the position before it, so drafts that run true are tried further and
+    drafts that break early are not. (Estimating P(reach k | drafted k)
+    directly, as before, trapped the controller: a position that did badly
+    once kept its low rate however long it went untried, since decaying trials
+    and hits alike keeps their ratio, and was never drafted again.)"""
+
+    max_draft: int
+    max_key_len: int
+    decay: float = 0.98
+    draft_decay: float = 0.999
+    """Per judged draft, for the draft yields (a batch of n drafts decays them by
+    draft_decay ** n). 0.9995 (2,000 drafts) once kept drafts off for good after one
+    bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (docs/results/goodput-controller.md, "Draft
+    yields kept per verified draft")."""
+    lane_prior_tokens: float = 96.0
+    """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
+    lane_yield_unseen: float = LANE_YIELD_UNSEEN
+    """What :meth:`lane_yield_seen` says before lanes ran lately."""
+    lane_tokens: float = 0.0
+    lane_accepted: float = 0.0
+    decode_rows: float = 0.0
+    text_accepted: float = 0.0
+    row_of_key_len: np.ndarray = field(init=False)
+    """Row of :attr:`position_trials` for each matched key length 0..max_key_len."""
+    position_trials: np.ndarray = field(init=False)
+    """Decayed drafts that reached each position, by matched key length's row."""
+    position_hits: np.ndarray = field(init=False)
+    """Decayed drafts whose token at each position was accepted, by matched key length's row."""
+    branch_prior: float = 0.5
+    """A branch's first token's rate before any branch ran (one pseudo-trial): optimistic,
+    so branches are tried; the evidence soon outweighs it."""
+    branch_trials: np.ndarray = field(init=False)
+    """Decayed branches off the node where their spine stopped that reached each of
+    their positions, by rank among their siblings."""
+    branch_hits: np.ndarray = field(init=False)
+    _reach: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    """(over all drafts, per row) reach probabilities, until the next :meth:`observe`."""
+    _branch_reach: np.ndarray | None = field(default=None, init=False, repr=False)
+    _table_trials: np.ndarray = field(init=False, repr=False)
+    """Row 0: the trials over all drafts (summed when asked); below it, :attr:`position_trials`."""
+    _table_hits: np.ndarray = field(init=False, repr=False)
+    _table_priors: np.ndarray = field(init=False, repr=False)
+    _table_weights: np.ndarray = field(init=False, repr=False)
+    """Pseudo-trials of each row of the table: a quarter over all drafts, one per key length."""
+    _positions: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.row_of_key_len = evidence_rows(self.max_key_len)
+        shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
+        # the reach table's rows, computed together: over all drafts, then one per key length's row
+        self._table_trials, self._table_hits = np.zeros((1 + shape[0], shape[1])), np.zeros((1 + shape[0], shape[1]))
+        self._table_priors = np.ones((1 + shape[0], 1))
+        self._table_weights = np.ones((1 + shape[0], 1))
+        self._table_weights[0] = 0.25
+        self.position_trials, self.position_hits = self._table_trials[1:], self._table_hits[1:]
+        self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
+        self.branch_hits = np.zeros((BRANCH_RANKS, self.max_draft))
+        self._positions = np.arange(1, self.max_draft + 1)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self._reach = self._branch_reach = None
+        d = self.decay
+        self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
+        self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
+        self.decode_rows = d * self.decode_rows + outcome.decoding_requests
+        self.text_accepted = d * self.text_accepted + outcome.text_accepted
+        positions = self._positions
+        rows = self._rows(outcome.key_lens)
+        drafted = np.asarray(outcome.draft_lengths)[:, None]
+        accepted = np.asarray(outcome.accepted_lengths)[:, None]
+        draft_decay = self.draft_decay ** len(drafted)
+        self.position_trials *= draft_decay
+        self.position_hits *= draft_decay
+        _count_chains(self.position_trials, self.position_hits, rows, drafted, accepted, positions)
+        self.branch_trials *= d
+        self.branch_hits *= d
+        if len(outcome.branch_ranks):
+            ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
+            _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
+                          np.asarray(outcome.branch_matches)[:, None], positions)
+
+    def lane_yield(self) -> float:
+        """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
+        ``lane_prior_tokens`` pseudo-tokens that earned nothing (0 before any lane ran).
+
+        Lanes mostly run in short probes: a ratio of a few dozen lane tokens is
+        noise, and with lanes off it is kept (trials and hits decay alike), so one
+        lucky probe would turn lanes on over and over where they do not pay."""
+        return self.lane_accepted / (self.lane_tokens + self.lane_prior_tokens)
+
+    def lane_yield_seen(self) -> float:
+        """Accepted lane-n-gram tokens per lane token run, as measured, without the
+        prior (:attr:`lane_yield_unseen` before lanes ran lately). What a probe is
+        judged by: whether lanes could pay at the yield they last showed."""
+        if self.lane_tokens <= 0.0:
+            return self.lane_yield_unseen
+        return self.lane_accepted / self.lane_tokens
+
+    def tokens_per_request(self) -> float:
+        """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
+        return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
+
+    def reach_probability(self, key_lens: np.ndarray | None = None) -> np.ndarray:
+        """P(positions 1..k all accepted), k = 1..max_draft, non-increasing: over all
+        drafts, or (one row each) for drafts found under keys of ``key_lens`` tokens.
+
+        The product of the positions' continuation rates. Each rate is smoothed
+        towards the rate of the position before it, over all drafts with a
+        quarter of a pseudo-trial (1 before the first position), per key length
+        with one pseudo-trial (the rate over all drafts before the first), so a
+        position seldom reached is judged like its neighbour until its own
+        evidence outweighs that. Computed for every row once per step (the
+        estimates change only in :meth:`observe`) and read per question."""
+        if self._reach is None:
+            # over all drafts: a quarter of a pseudo-trial, prior 1; per key length: one pseudo-trial,
+            # prior the rate over all drafts at the first position
+            trials, hits = self._table_trials, self._table_hits
+            self.position_trials.sum(axis=0, out=trials[0])
+            self.position_hits.sum(axis=0, out=hits[0])
+            self._table_priors[1:] = (hits[0, 0] + 0.25) / (trials[0, 0] + 0.25)
+            reach = np.cumprod(_continuation(trials, hits, self._table_priors, self._table_weights), axis=1)
+            self._reach = _read_only(reach[0]), _read_only(reach[1:])
+        overall_reach, reach_by_row = self._reach
+        return overall_reach if key_lens is None else reach_by_row[self._rows(key_lens)]
+
+    def _rows(self, key_lens: np.ndarray) -> np.ndarray:
+        """Rows of the draft yields for drafts found under ``key_lens``."""
+        return self.row_of_key_len[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
+
+    def branch_reach_probability(self) -> np.ndarray:
+        """(BRANCH_RANKS, max_draft): P(a branch's tokens 1..i all accepted | its spine
+        stopped at the branch's node), by the branch's rank among its siblings.
+
+        Continuation rates as for drafts, the first position smoothed towards
+        ``branch_prior`` and each later one towards the position before it (one
+        pseudo-trial each). With branches off, the trials decay and the rates drift
+        back to the prior, so branches are tried again now and then."""
+        if self._branch_reach is None:
+            rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
+                                  weight=1.0)
+            self._branch_reach = _read_only(np.cumprod(rates, axis=1))
+        return self._branch_reach
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, frozen: a table kept for the step is handed out, not copied."""
+    array.flags.writeable = False
+    return array
+
+
+def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                  accepted: np.ndarray, positions: np.ndarray) -> None:
+    """Add chains (drafts or branches, one per entry of ``rows``) to their row's counts:
+    a chain reached position k if it was that long and its first k - 1 tokens were
+    accepted; it hit k if its first k were. ``lengths``/``accepted``: (chains, 1)."""
+    np.add.at(trials, rows, (lengths >= positions) & (accepted >= positions - 1))
+    np.add.at(hits, rows, accepted >= positions)
+
+
+def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
+                  weight: float | np.ndarray) -> np.ndarray:
+    """Per row, (hits + weight x prior) / (trials + weight) at each position, the prior
+    being the row's rate at the position before (``first_prior``, one per row or one
+    for all, at the first); ``weight``: pseudo-trials, one for all rows or (rows, 1).
+
+    The recurrence rate_k = a_k + b_k rate_(k-1), with a = hits / (trials + weight)
+    and b = weight / (trials + weight), in closed form per block of
+    ``_CLOSED_FORM_BLOCK`` positions: rate_k = B_k (prior + sum_(j<=k) a_j / B_j),
+    B the running product of b. A few numpy calls for the whole table (it runs
+    once per step over every row: 20 us on a 2-core CPU, where the recurrence in
+    Python floats took 60); per block, because B shrinks by up to a factor
+    trials + weight per position and must not underflow. (numba is not an option:
+    importing it before vLLM 0.32.0's CPU worker starts breaks that worker's kernel
+    registration: docs/results/lanes.md, "FAFO's lanes", the proposer's host time.)"""
+    trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
+    if trials.shape[1] > _CLOSED_FORM_BLOCK:
+        head = _continuation(trials[:, :_CLOSED_FORM_BLOCK], hits[:, :_CLOSED_FORM_BLOCK], first_prior, weight)
+        rest = _continuation(trials[:, _CLOSED_FORM_BLOCK:], hits[:, _CLOSED_FORM_BLOCK:], head[:, -1], weight)
+        return np.hstack([head, rest])
+    denominator = trials + weight
+    product = np.cumprod(weight / denominator, axis=1)
+    return product * (np.reshape(first_prior, (-1, 1)) + np.cumsum(hits / (denominator * product), axis=1))
+
+
+_CLOSED_FORM_BLOCK = 16
+"""Positions per closed-form block of :func:`_continuation`: B >= (weight / (trials +
+weight)) ** 16, above 1e-155 for up to 10 ** 9 decayed trials per position at a quarter
+of a pseudo-trial (float64 goes to 1e-308)."""
+
+
+@dataclass(frozen=True)
+class BranchSet:
+    """The draft-tree branches grown for the next step, one entry per branch."""
+
+    owners: np.ndarray  # index of its request among the decoding requests
+    nodes: np.ndarray  # the spine node it hangs off
+    ranks: np.ndarray  # its place among the branches off that node
+    lengths: np.ndarray  # its tokens
+
+
+@dataclass
+class Decision:
+    lanes: int
+    draft_len: int  # the longest draft of the last step
+    mean_draft_len: float = 0.0
+    probe: bool = False
+    tree_tokens: int = 0  # branch tokens the last step planned, all requests together
+
+
+class FixedController:
+    """The configured sizes, always: lanes as the free token slots allow, full drafts."""
+
+    name = "fixed"
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+        self.last = Decision(0, max_draft)
+
+    def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
+        self.last.lanes = max_lanes
+        return max_lanes
+
+    def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
+        return np.asarray(available, dtype=np.int64)
+
+    def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
+        """Every branch as grown (``num_candidates`` and ``max_tree_tokens`` bound them)."""
+        return np.asarray(branches.lengths, dtype=np.int64)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        return None
+
+    def summary(self) -> dict:
+        return {"controller": self.name, "lanes": self.last.lanes, "draft_len": self.max_draft}
+
+
+class GoodputController:
+    """Chooses lanes per request and the draft length that maximise accepted tokens per second."""
+
+    name = "goodput"
+
+    def __init__(
+        self,
+        lane_len: int,
+        max_draft: int,
+        max_key_len: int,
+        probe_interval: int = 16,
+        max_probe_interval: int = 1024,
+        probe_burst: int = 4,
+        decay: float = 0.98,
+    ) -> None:
+        self.lane_len = lane_len
+        self.max_draft = max_draft
+        self.cost = StepCostModel()
+        self.yields = YieldEstimates(max_draft, max_key_len, decay)
+        self._lane_probe = _Probe(probe_interval, max_probe_interval, burst=probe_burst)
+        self.tree_cost = StepCostModel()
+        """Seconds per step against tokens, of steps with draft-tree branches."""
+        self.lane_cost = StepCostModel()
+        """Seconds per step against tokens, of steps with lanes (and no branches)."""
+        self._spine_reach = np.zeros((0, max_draft))
+        """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
+        self._draft_positions = np.arange(max_draft)
+        lengths = np.arange(max_key_len + 1)[:, None]
+        self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
+                                     TAIL_WORTH, 1.0)
+        """Share of its reach each draft position is worth, by matched key length (0: no match)."""
+        self.last = Decision(0, max_draft, float(max_draft))
+
+    # Decisions -----------------------------------------------------------------------
+    def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
+        """Lanes per request for this forward (0..max_lanes), which has ``real_tokens``
+        tokens (drafts included) and ``lane_requests`` requests that can run lanes."""
+        if max_lanes <= 0 or lane_requests <= 0:
+            self.last.lanes, self.last.probe = 0, False
+            return 0
+        options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
+        options = options[options <= max_lanes]
+        lane_tokens = options * self.lane_len * lane_requests
+        base = decoding_requests * self.yields.tokens_per_request()
+        gain = base + lane_tokens * self.yields.lane_yield()
+        seconds = np.where(options > 0, self._lane_step_seconds(real_tokens + lane_tokens),
+                           self._plain_cost().predict(real_tokens))
+        best = int(options[int((gain / seconds).argmax())])
+        probe = best == 0 and self._lane_probe.due()
+        if probe:  # the most lanes the cost model prices at no more than twice the plain step
+            affordable = options[seconds <= 2 * seconds[0]]
+            size = int(max(affordable.max(), 1))
+            probe = self._lane_probe.in_burst() or self._lane_probe.overdue() or any(
+                self._could_pay(tokens, base, size * self.lane_len * lane_requests)
+                for tokens in (real_tokens, decoding_requests))
+            best = size if probe else 0
+        self._lane_probe.step(chosen=best > 0, probe=probe)
+        self.last.lanes, self.last.probe = best, probe
+        return best
+
+    def _could_pay(self, real_tokens: int, base: float, lane_tokens: int) -> bool:
+        """Whether ``lane_tokens`` would pay at the lane yield last measured (unshrunk)
+        behind ``real_tokens`` (asked with the step's tokens and with its decoding
+        requests alone, as if drafts made room: lanes can take their place).
+
+        A probe costs up to twice a plain step for ``probe_burst`` steps. Where the
+        cost curve says lanes could not pay even at the yield they showed (a CPU,
+        where every lane token costs), probing again only spends; such probes wait
+        for the longest interval (or for the curve or the yield to change)."""
+        with_lanes = (base + lane_tokens * self.yields.lane_yield_seen()) / self._lane_step_seconds(real_tokens + lane_tokens)
+        return bool(with_lanes >= base / self._plain_cost().predict(real_tokens))
+
+    def _plain_cost(self) -> StepCostModel:
+        """The curve steps without lanes or branches are priced by: their own, or, where
+        lanes ran in every recent step (its points all forgotten), the lane steps'."""
+        return self.cost if self.cost.has_data or not self.lane_cost.has_data else self.lane_cost
+
+    def _lane_step_seconds(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Seconds of steps with lanes of ``tokens`` tokens: the dearer of the lane steps'
+        curve and the plain one (lanes add attention over each request's region to the
+        tokens' price, never take from it; the lane curve is flat past the largest lane
+        step it saw). The plain curve alone until a lane step ran."""
+        plain = self._plain_cost().predict(tokens)
+        return np.maximum(self.lane_cost.predict(tokens), plain) if self.lane_cost.has_data else plain
+
+    def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree
+        steps' curve and the plain one plus the least that tree steps cost over plain
+        steps of their size, among the sizes both curves saw (the branches' attention
+        costs per layer and step, not per token: below the sizes it saw, the tree curve
+        alone scales that down with the tokens, and one branch token behind a short spine
+        would look cheaper than the plain step without it). Sizes only the tree curve saw
+        teach no extra: the plain curve is flat past what it saw. The plain curve alone
+        until a tree step ran."""
+        plain = self._plain_cost()
+        if not self.tree_cost.has_data:
+            return plain.predict(tokens)
+        tree_tokens, tree_seconds = self.tree_cost.curve()
+        both = tree_tokens <= plain.curve()[0].max(initial=0.0)
+        extra = max(0.0, float(np.min(tree_seconds[both] - plain.predict(tree_tokens[both])))) if both.any() else 0.0
+        return np.maximum(self.tree_cost.predict(tokens), plain.predict(tokens) + extra)
+
+    def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:
+        """Draft length per request for the next step (at most ``available``, the draft
+        each found): the batch's draft tokens most likely to be accepted, as many as
+        maximise expected accepted tokens per second.
+
+        A request's token at position k is worth P(positions 1..k accepted) given
+        its key length (a quarter of it past twice the key length:
+        :data:`DRAFT_PER_MATCHED_TOKEN`); the step with the n best tokens yields
+        (requests + their sum) tokens in predict(step_tokens + n) seconds, on the curve of
+        steps with lanes where this step ran lanes (``step_tokens`` counts them)."""
+        available = np.asarray(available, dtype=np.int64)
+        lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
+        plain = self._plain_cost()
+        if not len(available) or not (lanes_on or plain.has_data):
+            return available
+        step_seconds = self._lane_step_seconds if lanes_on else plain.predict
+        reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
+        owners, positions = np.nonzero(self._draft_positions < available[:, None])
+        matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
+        worth = (reach * self._worth_share[matched])[owners, positions]
+        order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
+        gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
+        rates = gains / step_seconds(step_tokens + np.arange(len(order) + 1))
+        best = int(rates.argmax())
+        lengths = np.bincount(owners[order[:best]], minlength=len(available))
+        self.last.draft_len = int(lengths.max())
+        self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
+        return lengths
+
+    def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
+        """Tokens to keep of each grown branch for the next step (a prefix of it, 0 drops
+        it): the branch tokens most likely to be accepted, as many as maximise expected
+        accepted tokens per second on top of the spines already chosen.
+
+        Called after :meth:`choose_draft_lens` of the same step, whose reach
+        probabilities it reuses: ``spine_lens`` are the lengths that chose, one per
+        decoding request, ``step_tokens`` the next step's tokens with the spines. A branch off node j
+        pays only where its spine stops exactly at j, so its token i is worth
+        P(spine stops at j) x P(branch tokens 1..i accepted | that), the first from
+        the spine's reach probabilities, the second learned per rank. A step with
+        branches is priced by :meth:`_tree_step_seconds`. Where tokens cost next to nothing (a GPU below its knee) whole trees run;
+        elsewhere only branches whose worth beats their cost, or none."""
+        lengths = np.asarray(branches.lengths, dtype=np.int64)
+        cost = self._plain_cost()
+        if not len(lengths) or not cost.has_data:  # a step without branches first
+            return np.zeros_like(lengths)
+        reach = self._spine_reach  # (requests, max_draft), from choose_draft_lens
+        spine_lens = np.asarray(spine_lens, dtype=np.int64)
+        spine_worth = np.where(np.arange(self.max_draft) < spine_lens[:, None], reach, 0.0).sum()
+        reached = np.concatenate([np.ones((len(reach), 1)), reach], axis=1)  # P(first j accepted), j = 0..
+        stops = reached[:, :-1] - reached[:, 1:]  # P(exactly j accepted), j < the spine's length
+        token_branch = np.repeat(np.arange(len(lengths)), lengths)
+        depth = np.arange(len(token_branch)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        ranks = np.minimum(np.asarray(branches.ranks, dtype=np.int64), BRANCH_RANKS - 1)
+        owners, nodes = np.asarray(branches.owners), np.asarray(branches.nodes)
+        worth = (stops[owners[token_branch], nodes[token_branch]]
+                 * self.yields.branch_reach_probability()[ranks[token_branch], depth])
+        order = np.argsort(-worth, kind="stable")  # ties: shallower first, so each branch keeps a prefix
+        gains = len(spine_lens) + spine_worth + np.concatenate([[0.0], np.cumsum(worth[order])])
+        seconds = np.concatenate([cost.predict([step_tokens]),
+                                  self._tree_step_seconds(step_tokens + np.arange(1, len(order) + 1))])
+        rates = gains / seconds
+        best = int(rates.argmax())
+        self.last.tree_tokens = best
+        return np.bincount(token_branch[order[:best]], minlength=len(lengths))
+
+    # Learning --------------------------------------------------------------------------
+    def observe(self, outcome: StepOutcome) -> None:
+        """Plain steps teach the cost curve, steps with branches the tree's own and steps
+        with lanes the lanes' own: branch and lane attention are the plugin's, not vLLM's
+        kernel, and cost an amount per layer and step that one curve over token counts
+        could not tell from the price of the tokens. (On the 2-core CPU a step with a
+        lane probe took 15-26 % more than a plain step of as many tokens; in the plain
+        curve such steps made the drafts after a probe look dearer than they were.)"""
+        curve = self.tree_cost if outcome.tree_tokens else self.lane_cost if outcome.lane_tokens else self.cost
+        curve.observe(outcome.tokens, outcome.seconds)
+        self.yields.observe(outcome)
+
+    def summary(self) -> dict:
+        tokens, seconds = self.cost.curve()
+        return {
+            "controller": self.name,
+            "lanes": self.last.lanes,
+            "draft_len": self.last.draft_len,
+            "mean_draft_len": round(self.last.mean_draft_len, 3),
+            "tree_tokens": self.last.tree_tokens,
+            "lane_cost_curve_tokens": self.lane_cost.curve()[0].round(1).tolist(),
+            "lane_cost_curve_ms": (1000 * self.lane_cost.curve()[1]).round(3).tolist(),
+            "tree_cost_curve_tokens": self.tree_cost.curve()[0].round(1).tolist(),
+            "tree_cost_curve_ms": (1000 * self.tree_cost.curve()[1]).round(3).tolist(),
+            "branch_first_token_rate": self.yields.branch_reach_probability()[:, 0].round(4).tolist(),
+            "lane_yield": self.yields.lane_yield(),
+            "tokens_per_request": self.yields.tokens_per_request(),
+            "reach_probability": self.yields.reach_probability().round(4).tolist(),
+            "cost_curve_tokens": tokens.round(1).tolist(),
+            "cost_curve_ms": (1000 * seconds).round(3).tolist(),
+        }
+
+
+@dataclass
+class _Probe:
+    """When a choice that is off gets tried again: after ``interval`` steps off, for ``burst`` steps in a row (lane yields
+    are sparse and arrive late: one step shows little), the interval doubling
+    after each probe that was not followed by the choice being kept."""
+
+    base: int
+    max_interval: int
+    burst: int = 1
+    interval: int = 0
+    steps_off: int = 0
+    burst_left: int = 0
+
+    def __post_init__(self) -> None:
+        self.interval = self.base
+
+    def due(self) -> bool:
+        return self.in_burst() or self.steps_off >= self.interval
+
+    def in_burst(self) -> bool:
+        return self.burst_left > 0
+
+    def overdue(self) -> bool:
+        """Off for the longest interval: tried whatever the estimates say."""
+        return self.steps_off >= self.max_interval
+
+    def step(self, chosen: bool, probe: bool) -> None:
+        if probe:
+            self.burst_left = (self.burst_left or self.burst) - 1
+            if self.burst_left == 0:
+                self.steps_off = 0
+                self.interval = min(2 * self.interval, self.max_interval)
+        elif chosen:
+            self.steps_off, self.burst_left, self.interval = 0, 0, self.base
+        else:
+            self.steps_off += 1
+
+
+def make_controller(name: str, lane_len: int, max_draft: int, max_key_len: int) -> FixedController | GoodputController:
+    if name == "fixed":
+        return FixedController(max_draft)
+    if name == "goodput":
+        return GoodputController(lane_len, max_draft, max_key_len)
+    raise ValueError(f"unknown controller {name!r}; allowed: {', '.join(CONTROLLERS)}")

@@ -1,0 +1,81 @@
+"""Pools shared across requests, one per tenant.
+
+Traffic repeats itself across requests (system prompts, templates, code,
+agent loops); a request's own pool cannot use that, vLLM's ``suffix`` method
+keeps a tree over past responses for it. Every n-gram a request files into
+its own pool (prompt, output, lanes) is also filed into its tenant's shared
+pool, while it runs, so later and concurrent requests draft from it. The
+request's own pool is looked up first under every key
+(:func:`vllm_fafo.drafting.pool.match_pools`).
+
+A tenant is vLLM's ``cache_salt`` (the same value that isolates prefix-cache
+blocks): requests only see candidates of requests with the same salt;
+requests without one share the unsalted pool. Memory is bounded by keys over
+all tenants: each tenant's pool keeps at most ``max_keys`` keys (least
+recently used evicted, each key at most ``capacity`` candidates), and once a
+step the least recently used tenants are dropped whole while all tenants
+together hold more than ``max_keys`` keys or there are more than
+``max_tenants`` (a dropped tenant's running requests keep filing into its
+pool until they finish; new requests of that tenant start afresh).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+from vllm_fafo.drafting.pool import NgramPool
+
+
+class TenantPools:
+    """One bounded :class:`NgramPool` per tenant, least recently used tenant evicted."""
+
+    def __init__(self, max_key_len: int, capacity: int, *, min_key_len: int, max_keys: int,
+                 max_tenants: int, touch_on_lookup: bool, rank: str = "recency") -> None:
+        if max_keys < 1 or max_tenants < 1:
+            raise ValueError(f"need max_keys={max_keys} >= 1 and max_tenants={max_tenants} >= 1")
+        self._pool_args = dict(min_key_len=min_key_len, max_keys=max_keys, touch_on_lookup=touch_on_lookup, rank=rank)
+        self.max_key_len = max_key_len
+        self.capacity = capacity
+        self.max_tenants = max_tenants
+        self._pools: OrderedDict[str | None, NgramPool] = OrderedDict()
+
+    def pool_for(self, tenant: str | None) -> NgramPool:
+        """The tenant's pool (made on first use), refreshed as most recently used."""
+        pool = self._pools.get(tenant)
+        if pool is None:
+            pool = self._pools[tenant] = NgramPool(self.max_key_len, self.capacity, **self._pool_args)
+            self.trim()
+        else:
+            self._pools.move_to_end(tenant)
+        return pool
+
+    def trim(self) -> None:
+        """Drop least recently used tenants while there are too many or they hold more
+        than ``max_keys`` keys together (the most recent one is bounded by its own cap)."""
+        max_keys = self._pool_args["max_keys"]
+        while len(self._pools) > 1 and (len(self._pools) > self.max_tenants or self.num_keys() > max_keys):
+            self._pools.popitem(last=False)
+
+    @property
+    def num_tenants(self) -> int:
+        return len(self._pools)
+
+    def num_keys(self) -> int:
+        """Keys held over all tenants (at most ``max_keys`` after :meth:`trim`)."""
+        return sum(map(len, self._pools.values()))
+
+    def num_entries(self) -> int:
+        """Candidates held over all tenants and keys."""
+        return sum(pool.num_entries() for pool in self._pools.values())
+
+    def nbytes(self) -> int:
+        """Bytes of the tables, keys and candidates. Walks everything: for reports, not
+        for the step."""
+        counted: set[int] = set()
+        return sys.getsizeof(self._pools) + sum(pool.nbytes(counted) for pool in self._pools.values())
+
+    def clear(self) -> None:
+        """Empty every tenant's pool in place (running requests hold them)."""
+        for pool in self._pools.values():
+            pool.clear()

@@ -1,0 +1,1 @@
+"""Metrics, their export to vllm serve's /metrics, tensor parallelism."""

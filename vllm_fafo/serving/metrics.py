@@ -1,0 +1,92 @@
+"""Counters of what the FAFO proposer did, readable from any vLLM process.
+
+vLLM already counts drafted and accepted tokens (``vllm:spec_decode_*``);
+these add what only the proposer knows: pool hits and where each proposed
+or accepted token's candidate came from (prompt, output, a lane,
+Cacheback's frozen table, or another request via the shared pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_fafo.drafting.pool import Origin
+
+
+def _per_origin() -> dict[str, int]:
+    return {origin.value: 0 for origin in Origin}
+
+
+@dataclass
+class FafoMetrics:
+    """Running totals of one proposer (one worker)."""
+
+    propose_calls: int = 0
+    tail_tokens: int = 0
+    """Fumble-lane tokens run behind the real tokens, summed over steps."""
+    caught_up_positions: int = 0
+    """Region positions read back from the paged cache because the request's
+    lanes were off when they were decoded (goodput controller)."""
+    tree_tokens: int = 0
+    """Draft-tree branch tokens verified next to the spines, summed over steps."""
+    branch_wins: int = 0
+    """Request-steps where a branch got further than the spine."""
+    branch_accepted_tokens: int = 0
+    """Tokens accepted from branches off the spine (beyond the spine's accepted prefix)."""
+    lookups: int = 0
+    pool_hits: int = 0
+    requests_started: int = 0
+    requests_freed: int = 0
+    proposed_tokens: dict[str, int] = field(default_factory=_per_origin)
+    accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
+
+    def record_draft(self, origins: list[Origin]) -> None:
+        """One draft, by the origin of each of its tokens (empty, or filler only: a miss)."""
+        self.lookups += 1
+        if origins and origins[0] is not Origin.PAD:
+            self.pool_hits += 1
+        for origin in origins:
+            self.proposed_tokens[origin.value] += 1
+
+    def record_acceptance(self, origins: list[Origin]) -> None:
+        """The accepted prefix of the last draft, by token origin."""
+        for origin in origins:
+            self.accepted_tokens[origin.value] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def worker_metrics(worker: Any) -> dict[str, Any] | None:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if not isinstance(getattr(drafter, "metrics", None), FafoMetrics):
+        return None
+    return drafter.metrics_snapshot()
+
+
+def collect_metrics(llm: Any) -> dict[str, Any]:
+    """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with
+    gauges (``requests_tracked``: requests the proposer holds state for;
+    ``requests_with_region``: those holding a compressed-region row;
+    ``shared_pool_tenants`` and ``shared_pool_keys``: what the shared pool holds;
+    ``cached_answers``: the answers deep matches are drafted from) and the goodput
+    controller's latest choices and cost curve under ``"controller"``."""
+    results = llm.collective_rpc(worker_metrics)
+    if not results or results[0] is None:
+        raise RuntimeError("this engine does not run the FAFO proposer")
+    return results[0]
+
+
+def vllm_spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's own speculative-decoding counters of an ``LLM`` (needs stats on)."""
+    wanted = {
+        "vllm:spec_decode_num_drafts": "num_drafts",
+        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    }
+    counters = {name: 0.0 for name in wanted.values()}
+    for metric in llm.get_metrics():
+        if metric.name in wanted:
+            counters[wanted[metric.name]] += metric.value
+    return counters

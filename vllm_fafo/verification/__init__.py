@@ -1,0 +1,1 @@
+"""Draft trees: branches off each draft, their layout and acceptance."""

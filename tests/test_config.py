@@ -120,3 +120,30 @@ def test_draft_trees_accepted_in_float32_and_spine_only_in_any_dtype(model_dir):
     assert EngineArgs(model=model_dir, dtype="float32", speculative_config=tree).create_engine_config()
     spine = {"method": "fafo", "num_lanes": 0}
     assert EngineArgs(model=model_dir, dtype="bfloat16", speculative_config=spine).create_engine_config()
+
+
+def test_every_user_key_is_documented_once():
+    """Each key of ``{"method": "fafo"}`` has one row: in the README's table or in
+    docs/configuration.md's; Lookahead's and Cacheback's in docs/configuration.md; a
+    removed key in neither."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from vllm_fafo.config import REMOVED_KEYS, USER_KEYS
+    from vllm_fafo.modes import MODES
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    doc = (root / "docs" / "configuration.md").read_text()
+    fafo_doc = doc.split('## `{"method": "fafo"}`', 1)[1].split("\n## ", 1)[0]
+
+    def rows(text: str) -> list[str]:
+        return re.findall(r"^\| `(\w+)` \|", text, re.M)
+
+    documented = rows(readme) + rows(fafo_doc)
+    assert sorted(documented) == sorted(USER_KEYS)
+    assert not set(REMOVED_KEYS) & set(rows(readme) + rows(doc))
+    for name, mode in MODES.items():
+        section = doc.split(f'### `{{"method": "{name}"}}`', 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+        assert sorted(rows(section)) == sorted(f.name for f in dataclasses.fields(mode)), name

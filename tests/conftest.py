@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    """SmolLM2, with its prior table built (scripts/install_cpu.sh builds it; else here,
-    once), so that every engine left at ``"prior_table": "auto"`` drafts from it."""
+    """SmolLM2, with its prior table built (once per machine: here, or by
+    benchmarks/matrix.py), so that every engine left at ``"prior_table": "auto"`` drafts
+    from it."""
     from vllm_fafo.tools.assets import smollm2_dir, smollm2_prior_table
 
     smollm2_prior_table()

@@ -3,7 +3,7 @@
 Each configuration's engine runs the mixed call (tests/mixed_workload.py) once; its
 tests read that run and, where a check needs a call of its own (a salt, an abort, a
 spy on the worker), make it on the same engine. Configurations were merged where one
-engine covers two (deep matches are the default text source, so the lanes engine
+engine covers two (deep matches are always drafted first, so the lanes engine
 drafts from them; trees with lanes cover the ``fafo with lanes`` tree mode).
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 LANES_SPEC = {"method": "fafo", "num_lanes": 4, "lane_len": 4, "kv_budget": 64, "sink_tokens": 4,
               "controller": "fixed", "num_speculative_tokens": 4}
 """Lanes pinned on (the goodput controller would turn them off where they do not pay), a
-64-token region so every prompt overflows it and the window's ring wraps, the default
-text source (deep matches), 4-token drafts (sampled requests pay every draft token)."""
+64-token region so every prompt overflows it and the window's ring wraps, deep matches
+(always drafted first), 4-token drafts (sampled requests pay every draft token)."""
 
 TREE_SPEC = {**LANES_SPEC, "num_candidates": 4}
 """Lanes and up to three branches next to each spine, every one run (fixed controller)."""

@@ -25,7 +25,7 @@ def test_plain_vllm_gives_a_request_the_same_logprobs_in_any_batch(plain_llm, mt
     """The references are plain vLLM's greedy tokens: under the suite's settings each
     chosen token's logprob is the same bits alone, in a batch of four, beside four more
     requests and with the prompts in the prefix cache (vLLM's defaults move them by
-    up to 3.5e-5 here: docs/results/2026-12-02-identity-references.md)."""
+    up to 3.5e-5 here: docs/results/identity-references.md)."""
     from vllm import SamplingParams
 
     prompts = mtbench[8:12]
@@ -87,7 +87,7 @@ def test_default_runs_the_goodput_controller_and_reports_what_it_learned(mixed_r
 def test_lanes_and_deep_matches_draft_and_are_accepted(mixed_run):
     run = mixed_run("lanes")
     assert _accepted(run, "lane") > 0 and run.grew("tail_tokens") > 0
-    assert _accepted(run, "deep_match") > 0  # the default text source
+    assert _accepted(run, "deep_match") > 0  # deep matches are always drafted first
     assert _accepted(run, "shared") > 0  # other requests' n-grams, the sampled ones' above all
 
 

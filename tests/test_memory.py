@@ -103,6 +103,16 @@ def test_policy_lane_bytes_match_the_documented_formula(name, engine):
 
 
 @pytest.mark.engine
+def test_full_cache_lanes_hold_one_region_slot_per_row(engine):
+    """Lookahead's lanes (compression ``none``) read the paged cache: the "none" row."""
+    from vllm_fafo.modes import parse_speculative_config
+
+    config = parse_speculative_config(CONFIGS["lookahead"]).to_dict()
+    assert config["compression"] == "none"
+    _check_formula(engine("lookahead"), config)
+
+
+@pytest.mark.engine
 def test_engines_without_lanes_hold_no_lane_memory(plain_llm, engine):
     for llm in (plain_llm, engine("pool-tree")):
         (layers,) = llm.collective_rpc(layer_lane_bytes)

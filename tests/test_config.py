@@ -147,3 +147,15 @@ def test_every_user_key_is_documented_once():
     for name, mode in MODES.items():
         section = doc.split(f'### `{{"method": "{name}"}}`', 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
         assert sorted(rows(section)) == sorted(f.name for f in dataclasses.fields(mode)), name
+
+
+def test_removed_keys_say_why_they_went():
+    for key, value, why in (("text_source", "suffix_tree", "deep matches of the text are always drafted first"),
+                            ("suffix_tree_cached_requests", 10, "cached_answers bounds the answers kept"),
+                            ("runner_up_tokens", 4, "added no tau"),
+                            ("rank_candidates", "recency", "ranked by votes"),
+                            ("text_ngram_len", 0, "4 tokens")):
+        with pytest.raises(FafoConfigError, match=rf"\['{key}'\] was removed: .*{why}"):
+            FafoConfig.from_user_dict({"method": "fafo", key: value})
+    with pytest.raises(FafoConfigError, match=r"cached_answers.*=-1 is out of range"):
+        FafoConfig.from_user_dict({"method": "fafo", "cached_answers": -1})

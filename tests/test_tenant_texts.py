@@ -1,14 +1,11 @@
 """The texts deep matches draft from (vllm_fafo.drafting.deep_match.TenantTexts): which
-tenant's answers answer, what is bounded and forgotten, and the keys that went."""
+tenant's answers answer, what is bounded and forgotten."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from vllm_fafo.config import FafoConfig
 from vllm_fafo.drafting.deep_match import TenantTexts
-from vllm_fafo.errors import FafoConfigError
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int64)
 ANSWER = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
@@ -108,15 +105,3 @@ def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
     assert draft_after(trees, "asks d", "d", question)[0] == ANSWER[6:]
     assert draft_after(trees, "asks b", "b", question)[0] == []  # b's texts were dropped
     assert trees.num_tenants == 3  # a, d and b all run a request now: none is dropped
-
-
-def test_removed_keys_say_why_they_went():
-    for key, value, why in (("text_source", "suffix_tree", "deep matches of the text are always drafted first"),
-                            ("suffix_tree_cached_requests", 10, "cached_answers bounds the answers kept"),
-                            ("runner_up_tokens", 4, "added no tau"),
-                            ("rank_candidates", "recency", "ranked by votes"),
-                            ("text_ngram_len", 0, "4 tokens")):
-        with pytest.raises(FafoConfigError, match=rf"\['{key}'\] was removed: .*{why}"):
-            FafoConfig.from_user_dict({"method": "fafo", key: value})
-    with pytest.raises(FafoConfigError, match=r"cached_answers.*=-1 is out of range"):
-        FafoConfig.from_user_dict({"method": "fafo", "cached_answers": -1})

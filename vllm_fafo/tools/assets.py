@@ -125,6 +125,7 @@ def smollm2_prior_table() -> Path:
     model = str(smollm2_dir())
     out = default_path(model)
     if not out.exists():
+        print("building SmolLM2's prior table once (vllm-fafo-prior-table; a few minutes on a CPU)", flush=True)
         subprocess.run([sys.executable, "-m", "vllm_fafo.tools.build_prior_table", "--model", model,
                         "--engine-args", json.dumps({"dtype": "bfloat16"})], check=True)
     return out

@@ -39,6 +39,7 @@ import numpy as np
 from replay_pool import cost_ms_argument, step_seconds
 
 from vllm_fafo.config import FafoConfig
+from vllm_fafo.drafting.index import DraftIndex
 from vllm_fafo.drafting.prior_table import DEFAULT_WIDTH, PriorTable
 from vllm_fafo.proposer import FafoProposer
 
@@ -99,7 +100,8 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
         gc.freeze()
     proposer = make_proposer(config, max_len)
     # No model here: a prior table of random continuations (a lookup costs the same).
-    proposer.fallbacks = (PriorTable(rng.integers(0, VOCAB, size=(VOCAB, DEFAULT_WIDTH), dtype=np.int32)),)
+    proposer.index = DraftIndex(proposer.config, prior=PriorTable(
+        rng.integers(0, VOCAB, size=(VOCAB, DEFAULT_WIDTH), dtype=np.int32)))
     clock = proposer.clock = ModelledClock()
     req_ids = [f"r{i}" for i in range(batch)]
     num_tokens = np.full(batch, history_len, dtype=np.int32)

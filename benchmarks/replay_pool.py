@@ -3,8 +3,8 @@
 A matrix run keeps every cell's tokens; its ``none`` cell is what plain vLLM
 decoded. Under greedy decoding a draft is accepted up to its first token that
 differs from that text, so replaying the text through the proposer's own
-pool code (``file_new_ngrams``, the deep matches and ``chain_draft``, the
-shared pool) gives the tau
+draft index (:class:`~vllm_fafo.drafting.index.DraftIndex`: the pools, the deep
+matches, the shared pool, the prior table) gives the tau
 of any pool setting in seconds, without an engine: how long drafts could be,
 which key length, how many candidates per key, sharing on or off. Drafts are
 not cut: this is the tau the goodput controller starts from (it cuts drafts
@@ -68,16 +68,8 @@ from vllm_fafo.control.goodput import GoodputController, StepOutcome
 from vllm_fafo.drafting.pool import alternatives_in
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
-from vllm_fafo.proposer import (
-    file_new_ngrams,
-    first_anchor,
-    key_context,
-    longest_match,
-    request_draft,
-    request_pool,
-    shared_pools,
-    tenant_texts,
-)
+from vllm_fafo.drafting.index import DraftIndex, first_anchor
+from vllm_fafo.proposer import key_context, longest_match
 from vllm_fafo.verification.draft_tree import Branch, grow_branches
 
 SUFFIX_TREE_DEPTH = 24
@@ -151,9 +143,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
 
     ``prior``: the prior table drafted from where the pools miss, as the engine's
     proposer does (:func:`prior_table`)."""
-    shared = shared_pools(config)
+    index = DraftIndex(config, prior=prior)
     k, max_key_len = config.num_speculative_tokens, config.max_key_len
-    texts = tenant_texts(config)
     if cost_ms is None and controller is not None:
         raise ValueError("replay: a controller cuts drafts only on a step cost; pass cost_ms with it")
     if cost_ms is not None and controller is None:
@@ -165,39 +156,39 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     if grows_trees and cost_ms is not None:
         raise ValueError("replay: draft trees are replayed uncut (every branch runs); drop cost_ms or "
                          "set num_candidates to 1")
-    fallbacks = () if prior is None else (prior,)
     judge = DraftJudge(k)
     forwards = tokens = drafted = branch_tokens = accepted_off_spine = 0
     seconds = 0.0
     for event, payload in scheduled(requests, batch_size):
         if event == "start":
             request = payload
-            request.pools = (request_pool(config),) if shared is None else (request_pool(config), shared.pool_for(None))
+            request.pools = index.new_pools(request.req_id, None, request.history[: request.prompt_len])
             request.next_anchor = first_anchor(config, request.prompt_len)
-            if texts is not None:
-                texts.start(request.req_id, None, request.history[: request.prompt_len])
             forwards += 1  # the prefill's forward gives the first token
             continue
         if event == "finish":
-            if texts is not None:
-                texts.stop(payload.req_id)
+            index.stop(payload.req_id)
             judge.forget([payload.req_id])
             tokens += len(payload.output)
             continue
         running = payload
-        drafts, key_lens, contexts = [], [], []
-        for request in running:
-            request.next_anchor = file_new_ngrams(config, request.pools, request.history, request.next_anchor,
-                                                  request.num_tokens, request.prompt_len)
+        num_tokens = np.array([request.num_tokens for request in running], dtype=np.int64)
+        next_anchors = np.array([request.next_anchor for request in running], dtype=np.int64)
+        found = index.draft_batch([request.req_id for request in running], [request.pools for request in running],
+                                  _stacked(running), np.arange(len(running)), num_tokens,
+                                  np.array([request.prompt_len for request in running], dtype=np.int64),
+                                  next_anchors, np.full(len(running), k, dtype=np.int64))
+        key_lens = found.key_lens.tolist()
+        drafts, contexts = [], []
+        for i, request in enumerate(running):
+            request.next_anchor = int(next_anchors[i])
+            draft = found.tokens[i, : found.lengths[i]].tolist()
             context = key_context(request.history, request.num_tokens, max_key_len)
             contexts.append(context)
-            draft, _, key_len = request_draft(texts, request.pools, fallbacks, request.req_id,
-                                              request.history, request.num_tokens, context, k)
             if oracle:
                 candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
                 draft = max(candidates, key=lambda c: accepted_prefix(c, request.output, request.done))
             drafts.append(draft)
-            key_lens.append(key_len)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
         if controller is not None:
             judge.add([request.req_id for request in running], [request.num_tokens for request in running], drafts,

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import numpy as np
 
 from vllm_fafo.drafting.deep_match import TextCache
-from vllm_fafo.drafting.pool import NgramPool, Origin
-from vllm_fafo.proposer import file_ngrams
+from vllm_fafo.drafting.pool import Origin
+
+from .test_native_pool import file_and_draft_one, index_for
 
 TOKENS = 5000
 MAX_NEW_TRACKED = 50
@@ -47,12 +48,13 @@ def text(seed: int = 0) -> list[int]:
 
 def test_pools_keep_no_tracked_object_per_key():
     def build():
-        own, shared = NgramPool(4, 8), NgramPool(4, 8, max_keys=TOKENS)
+        index = index_for(share_pool=True, shared_pool_keys=TOKENS, text_ngram_len=16)
         history = text()
-        file_ngrams([own, shared], history, 0, range(TOKENS - 16), 16, prompt_len=TOKENS // 2)
+        own, shared = index.new_pools("r", None, np.array(history[: TOKENS // 2]))
+        file_and_draft_one(index, (own, shared), history, prompt_len=TOKENS // 2)
         own.add(history[-4:], (1, 2, 3), Origin.LANE)
         assert own.lookup(history[-4:]) == ((1, 2, 3), Origin.LANE)
-        return own, shared, history
+        return index, own, shared, history
 
     assert tracked_after(build) <= MAX_NEW_TRACKED
 

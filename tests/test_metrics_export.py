@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import fields
 from types import SimpleNamespace
 
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
-from vllm_fafo.drafting.pool import Origin
+from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.serving.metrics import FafoMetrics
 from vllm_fafo.serving.metrics_export import (
     COUNTERS,
@@ -24,8 +25,8 @@ from .test_proposer import make_proposer
 
 def _snapshot(**counters) -> dict:
     metrics = FafoMetrics(**counters)
-    metrics.record_draft([Origin.PROMPT, Origin.LANE])
-    metrics.record_acceptance([Origin.PROMPT])
+    metrics.record_drafts(np.array([[ORIGIN_CODE[Origin.PROMPT], ORIGIN_CODE[Origin.LANE]]]), np.array([2]))
+    metrics.record_acceptance(np.array([ORIGIN_CODE[Origin.PROMPT]]))
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
             "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5,
             "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}

@@ -2,8 +2,11 @@
 
 import random
 
+import numpy as np
+
 from vllm_fafo.drafting.pool import NgramPool, Origin
-from vllm_fafo.proposer import file_ngrams
+
+from .test_native_pool import file_and_draft_one, index_for
 
 
 def test_add_files_candidate_under_every_suffix_up_to_k():
@@ -65,27 +68,20 @@ def test_text_seeded_pool_matches_brute_force_reference():
         vocab = rng.randint(2, 6)
         history = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
         max_key_len, ngram_len = rng.randint(1, 5), rng.randint(1, 4)
-        pool = NgramPool(max_key_len, capacity=10_000)
-        stop = len(history) - ngram_len
-        file_ngrams([pool], history, 0, range(0, max(0, stop)), ngram_len, len(history))
+        index = index_for(max_key_len=max_key_len, pool_capacity=4096, text_ngram_len=ngram_len,
+                          rank_candidates="recency")
+        pool, = index.new_pools("r", None, np.array(history))
+        file_and_draft_one(index, (pool,), history, prompt_len=len(history))
         found = pool.lookup(history)
         expected = _reference_lookup(history, max_key_len, ngram_len)
         assert (found[0] if found else None) == expected, (trial, history)
 
 
-def test_file_ngrams_marks_origin_by_where_the_candidate_lies():
-    pool = NgramPool(max_key_len=1, capacity=8)
+def test_filing_marks_origin_by_where_the_candidate_lies():
+    index = index_for(max_key_len=1, pool_capacity=8, text_ngram_len=2, rank_candidates="recency")
     history = [1, 2, 3, 4, 5]
-    file_ngrams([pool], history, 0, range(0, 3), ngram_len=2, prompt_len=4)
+    pool, = index.new_pools("r", None, np.array(history[:4]))
+    file_and_draft_one(index, (pool,), history, prompt_len=4)
     assert pool.lookup([1]) == ((2, 3), Origin.PROMPT)
     assert pool.lookup([2]) == ((3, 4), Origin.PROMPT)
     assert pool.lookup([3]) == ((4, 5), Origin.OUTPUT)  # 5 was generated
-
-
-def test_file_ngrams_with_offset_window():
-    """A window that starts at absolute position 3 files the same n-grams."""
-    history = [5, 6, 7, 8, 9, 10, 11]
-    full, windowed = NgramPool(2, 8), NgramPool(2, 8)
-    file_ngrams([full], history, 0, range(4, 5), 2, 0)
-    file_ngrams([windowed], history[3:], 3, range(4, 5), 2, 0)
-    assert full.candidates([8, 9]) == windowed.candidates([8, 9]) == [(10, 11)]

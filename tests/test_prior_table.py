@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.drafting.pool import Origin
 from vllm_fafo.drafting.prior_table import PriorTable, check_setting, default_path, load_table, resolve, save_table
 from vllm_fafo.errors import FafoConfigError
-from vllm_fafo.proposer import chain_draft
 from vllm_fafo.tools.build_prior_table import PRIMER_MESSAGE, answer_prefix
+
+from .test_native_pool import file_and_draft_one, index_for
 
 ROWS = np.array([
     [1, 2, 3],  # 0 -> 1 2 3
@@ -33,36 +34,43 @@ def test_continuation_stops_at_the_first_missing_token():
     assert table.match([2]) is None and table.match([]) is None
 
 
+def _chain(index, pools, context, room):
+    """The draft chained after ``context`` (nothing filed from it)."""
+    return file_and_draft_one(index, pools, context, len(context), next_anchor=len(context), room=room)
+
+
 def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
-    pool = NgramPool(max_key_len=2, capacity=4)
-    pool.add([5], (0,), Origin.OUTPUT)  # 5 -> 0; nothing under 3 or 9
-    table = PriorTable(ROWS)
+    index, bare = index_for(PriorTable(ROWS), max_key_len=2, pool_capacity=4), index_for(max_key_len=2, pool_capacity=4)
+    pools, bare_pools = index.new_pools("r", None, np.zeros(0)), bare.new_pools("r", None, np.zeros(0))
+    for pool in (*pools, *bare_pools):
+        pool.add([5], (0,), Origin.OUTPUT)  # 5 -> 0; nothing under 3 or 9
     # 5: the pool's 0; then 0 misses in the pool -> the prior's 1 2 3; then 3 -> the prior's 4 4 4
-    draft, origins, key_len = chain_draft((pool,), (table,), [8, 5], room=6)
+    draft, origins, key_len = _chain(index, pools, [8, 5], room=6)
     assert draft == [0, 1, 2, 3, 4, 4]
     assert origins == [Origin.OUTPUT] + [Origin.PRIOR] * 5
     assert key_len == 1  # the first piece's key
     # The pool wins under any key it holds, after a prior piece too.
-    pool.add([1, 2, 3], (6,), Origin.OUTPUT)
-    draft, origins, _ = chain_draft((pool,), (table,), [8, 5], room=6)
+    pools[0].add([2, 3], (6,), Origin.OUTPUT)
+    draft, origins, _ = _chain(index, pools, [8, 5], room=6)
     assert draft == [0, 1, 2, 3, 6]  # (2, 3) -> 6 from the pool; then neither has anything after 6
     assert origins[-1] is Origin.OUTPUT
-    assert chain_draft((pool,), (), [8, 5], room=6)[0] == [0]  # without the table the chain ends at 0
+    assert _chain(bare, bare_pools, [8, 5], room=6)[0] == [0]  # without the table the chain ends at 0
     # A draft the prior starts reports its key (0: not found in the text), not a later piece's.
-    draft, origins, key_len = chain_draft((pool,), (table,), [8, 0], room=4)
+    draft, origins, key_len = _chain(index, pools, [8, 0], room=4)
     assert draft == [1, 2, 3, 6] and origins == [Origin.PRIOR] * 3 + [Origin.OUTPUT]
     assert key_len == 0
 
 
 def test_the_prior_votes_among_the_pools_candidates():
     table = PriorTable(ROWS)
-    votes, recency = NgramPool(max_key_len=2, capacity=4, rank="votes"), NgramPool(max_key_len=2, capacity=4)
-    for pool in (votes, recency):
-        pool.add([0], (1, 7), Origin.PROMPT)  # the prior's next token after 0 is 1
-        pool.add([0], (8, 8), Origin.OUTPUT)  # the newest
-    assert chain_draft((votes,), (), [0], room=2)[0] == [8, 8]  # no guess: a tie, the newest
-    assert chain_draft((votes,), (table,), [0], room=2)[0] == [1, 7]
-    assert chain_draft((recency,), (table,), [0], room=2)[0] == [8, 8]
+    runs = {}
+    for name, prior, rank in (("no guess", None, "votes"), ("votes", table, "votes"), ("recency", table, "recency")):
+        index = index_for(prior, max_key_len=2, pool_capacity=4, rank_candidates=rank)
+        pools = index.new_pools("r", None, np.zeros(0))
+        pools[0].add([0], (1, 7), Origin.PROMPT)  # the prior's next token after 0 is 1
+        pools[0].add([0], (8, 8), Origin.OUTPUT)  # the newest
+        runs[name] = _chain(index, pools, [0], room=2)[0]
+    assert runs == {"no guess": [8, 8], "votes": [1, 7], "recency": [8, 8]}  # no guess: a tie, the newest
 
 
 def test_file_roundtrip_and_errors_name_the_key(tmp_path):

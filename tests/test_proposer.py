@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.drafting.pool import NgramPool
 from vllm_fafo.proposer import FafoProposer
 
 from .test_pool import _reference_lookup
@@ -178,14 +177,9 @@ def test_propose_without_batch_order_fails_loudly():
         proposer.propose([[1]], np.array([3]), np.zeros((1, 8), dtype=np.int32))
 
 
-def test_step_cost_does_not_grow_with_history(monkeypatch):
-    """The pools get the same number of insertions per step at 100 or 3000 tokens: two
-    new n-grams, each filed into the request's own pool and the shared one."""
-    calls = []
-    original_file = NgramPool._file  # every insertion into one pool, however it was asked for
-    monkeypatch.setattr(
-        NgramPool, "_file", lambda self, *a: (calls.append(1), original_file(self, *a))
-    )
+def test_step_cost_does_not_grow_with_history():
+    """A step files only the n-grams its accepted tokens completed, at 100 or 3000 tokens
+    of history: two per step (the kernel files from the request's next anchor on)."""
     per_step = {}
     for length in (100, 3000):
         proposer = make_proposer(max_model_len=4096)
@@ -193,11 +187,11 @@ def test_step_cost_does_not_grow_with_history(monkeypatch):
         rng = np.random.default_rng(length)
         batch.add("a", rng.integers(0, 50, size=length).tolist())
         batch.step(proposer, [[1]])  # prefill seeding: proportional to the prompt, once
-        calls.clear()
+        first = proposer._requests["a"].next_anchor
         for _ in range(20):
             batch.step(proposer, [[2, 3]])
-        per_step[length] = len(calls) / 20
-    assert per_step[100] == per_step[3000] == 2 * 2
+        per_step[length] = (proposer._requests["a"].next_anchor - first) / 20
+    assert per_step[100] == per_step[3000] == 2
 
 
 def test_a_step_lives_from_begin_step_to_propose():

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_fafo.drafting.pool import GUESS_VOTES, NgramPool, Origin, alternatives_in, match_pools
+from vllm_fafo.drafting.pool import GUESS_VOTES, NgramPool, Origin, PoolArena, alternatives_in, match_pools
 from vllm_fafo.drafting.shared_pool import TenantPools
 
 from .test_proposer import FakeBatch, make_proposer
@@ -109,7 +109,7 @@ def test_alternatives_go_key_length_then_pool_then_recency_each_once():
 
 
 def test_tenants_are_kept_apart_and_the_least_recent_tenant_is_dropped():
-    tenants = TenantPools(2, 4, min_key_len=1, max_keys=100, max_tenants=2, touch_on_lookup=True)
+    tenants = TenantPools(PoolArena(2, 4), max_keys=100, max_tenants=2)
     tenants.pool_for("a").add([1], (2,), Origin.OUTPUT)
     assert tenants.pool_for("b").match([1]) is None
     assert tenants.pool_for(None).match([1]) is None  # unsalted is its own tenant
@@ -118,7 +118,7 @@ def test_tenants_are_kept_apart_and_the_least_recent_tenant_is_dropped():
 
 
 def test_keys_are_bounded_over_all_tenants_by_dropping_the_least_recent():
-    tenants = TenantPools(1, 4, min_key_len=1, max_keys=10, max_tenants=8, touch_on_lookup=True)
+    tenants = TenantPools(PoolArena(1, 4), max_keys=10, max_tenants=8)
     for tenant in ("a", "b", "c"):
         pool = tenants.pool_for(tenant)
         for token in range(6):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +47,8 @@ from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import BranchSet, StepOutcome, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
-from vllm_fafo.drafting.pool import Match, NgramPool, Origin, add_to_pools, match_pools
+from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor
+from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, add_to_pools
 from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
 from vllm_fafo.drafting.shared_pool import TenantPools
@@ -88,36 +89,13 @@ class RequestState:
     prompt_len: int
     next_anchor: int
     """First history position whose following n-gram is not filed yet."""
-    last_draft_origins: list[Origin] = field(default_factory=list)
-    """Where each token of the last draft came from."""
+    last_draft_origins: np.ndarray = field(default_factory=lambda: NO_ORIGINS)
+    """Where each token of the last draft came from (:class:`Origin` codes)."""
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
 
 
-def request_pool(config: FafoConfig) -> NgramPool:
-    """A new request's own pool."""
-    return NgramPool(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
-                     max_keys=config.max_keys, touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates)
-
-
-def shared_pools(config: FafoConfig) -> TenantPools | None:
-    """The pools shared across requests, one per tenant (None: sharing off)."""
-    if not config.share_pool:
-        return None
-    return TenantPools(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
-                       max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants,
-                       touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates)
-
-
-def tenant_texts(config: FafoConfig) -> TenantTexts | None:
-    """The texts deep matches are drafted from, one cache per tenant (None: the modes,
-    which draft from their pools alone)."""
-    if not config.deep_match:
-        return None
-    # deep matches no deeper than the pool's keys are the pool's: its candidates (lanes' n-grams
-    # included) did as well there in replay (benchmarks/replay_pool.py)
-    return TenantTexts(config.cached_answers if config.share_pool else 0, config.shared_pool_tenants,
-                       config.max_key_len + 1)
+NO_ORIGINS = np.zeros(0, dtype=np.int32)
 
 
 def longest_match(config: FafoConfig) -> int:
@@ -126,147 +104,22 @@ def longest_match(config: FafoConfig) -> int:
     return MATCH_DEPTH if config.deep_match else config.max_key_len
 
 
-def first_anchor(config: FafoConfig, prompt_len: int) -> int:
-    """The first history position whose following n-gram a new request files: the
-    prompt's start, or (prompt not seeded) the last n-gram that reaches the output."""
-    return 0 if config.seed_from_prompt else max(0, prompt_len - config.ngram_len)
-
-
-def file_ngrams(
-    pools: Sequence[NgramPool],
-    history: Sequence[int],
-    offset: int,
-    anchors: range,
-    ngram_len: int,
-    prompt_len: int,
-) -> None:
-    """File, for each anchor a, ``history[a+1 : a+1+ngram_len]`` under the
-    suffixes of ``history[: a+1]`` (FAFO Alg. 2 applied to decoded text).
-
-    ``history`` holds the tokens from absolute position ``offset`` on. Every pool
-    gets the same n-grams (they share key lengths).
-    """
-    max_key_len = pools[0].max_key_len
-    for anchor in anchors:
-        end = anchor + 1 - offset
-        candidate = tuple(history[end : end + ngram_len])
-        context = history[max(0, end - max_key_len) : end]
-        origin = Origin.PROMPT if anchor + ngram_len < prompt_len else Origin.OUTPUT
-        add_to_pools(pools, context, candidate, origin)
-
-
-def file_new_ngrams(config: FafoConfig, pools: Sequence[NgramPool], history: np.ndarray, next_anchor: int,
-                    num_tokens: int, prompt_len: int) -> int:
-    """File the n-grams that ``history[:num_tokens]`` completed since ``next_anchor``
-    (from a short window of it, never a scan of the whole text); returns the next
-    anchor to file from."""
-    ngram_len = config.ngram_len
-    stop_anchor = num_tokens - ngram_len  # anchors whose n-gram is complete
-    if not config.seed_from_output:
-        stop_anchor = min(stop_anchor, prompt_len - ngram_len)
-    if stop_anchor <= next_anchor:
-        return next_anchor
-    offset = max(0, next_anchor + 1 - config.max_key_len)
-    file_ngrams(pools, history[offset:num_tokens].tolist(), offset, range(next_anchor, stop_anchor), ngram_len,
-                prompt_len)
-    return stop_anchor
-
-
-class Fallback(Protocol):
-    """A read-only table drafted from where the request's pools miss (:func:`chain_draft`)."""
-
-    def match(self, context: list[int]) -> Match | None: ...
-
-
-def first_match(fallbacks: Sequence[Fallback], context: list[int]) -> Match | None:
-    """The first fallback's match for ``context``, in order; None where all miss."""
-    for fallback in fallbacks:
-        found = fallback.match(context)
-        if found is not None:
-            return found
-    return None
-
-
-def next_piece(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int]) -> Match | None:
-    """The pools' candidate for ``context``, else the fallbacks' (in order). Where the
-    pools rank by votes, the fallbacks' next token votes too (:func:`match_pools`)."""
-    if pools[0].rank != "votes":
-        return match_pools(pools, context) or first_match(fallbacks, context)
-    guess = first_match(fallbacks, context)
-    return match_pools(pools, context, None if guess is None else guess.candidate[0]) or guess
-
-
-def chain_draft(pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], context: list[int],
-                room: int) -> tuple[list[int], list[Origin], int]:
-    """Chain candidates until ``room`` tokens or no key matches: the request's pool
-    first (then its tenant's shared pool, under each key), then each fallback in turn
-    (Cacheback's frozen table, Sec. 3.3; the prior table, :mod:`vllm_fafo.drafting.prior_table`).
-    ``context`` is the text's last ``max_key_len`` tokens (:func:`next_piece`).
-    Returns the draft, each token's origin, and the length of the key the first
-    candidate was found under (the controller cuts the draft by it)."""
-    max_key_len = pools[0].max_key_len
-    draft: list[int] = []
-    origins: list[Origin] = []
-    first_key_len = 0
-    while len(draft) < room:
-        found = next_piece(pools, fallbacks, context)
-        if found is None:
-            break
-        if not draft:  # the first piece's key, 0 where the prior table found it
-            first_key_len = found.key_len
-        piece = list(found.candidate[: room - len(draft)])
-        draft += piece
-        origins += [found.origin] * len(piece)
-        context = (context + piece)[-max_key_len:]
-    return draft, origins, first_key_len
-
-
-def deep_match_draft(texts: TenantTexts, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback], req_id: str,
-                     history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], list[Origin], int] | None:
-    """The deep match's draft, with its match length; where it ends before ``room``
-    (its text ended) it is chained on from the pools (:func:`chain_draft`). None where
-    nothing matches deeper than the pool's keys."""
-    draft, match_len = texts.draft(req_id, history, num_tokens, room)
-    if not draft:
-        return None
-    origins = [Origin.DEEP_MATCH] * len(draft)
-    if len(draft) < room:
-        max_key_len = pools[0].max_key_len
-        context = (history[num_tokens - max_key_len : num_tokens].tolist() + draft)[-max_key_len:]
-        more, more_origins, _ = chain_draft(pools, fallbacks, context, room - len(draft))
-        draft += more
-        origins += more_origins
-    return draft, origins, match_len
-
-
 def key_context(history: np.ndarray, num_tokens: int, max_key_len: int) -> list[int]:
     """The text's last ``max_key_len`` tokens: what pool keys and branches match against."""
     return history[max(0, num_tokens - max_key_len) : num_tokens].tolist()
 
 
-def request_draft(texts: TenantTexts | None, pools: Sequence[NgramPool], fallbacks: Sequence[Fallback],
-                  req_id: str, history: np.ndarray, num_tokens: int, context: list[int],
-                  room: int) -> tuple[list[int], list[Origin], int]:
-    """A request's draft of at most ``room`` tokens, with each token's origin and the
-    length of the context it matched: the deep match of its text's end, else its pools'
-    (:func:`chain_draft`, with ``fallbacks`` where they miss). ``context``: the text's
-    last ``max_key_len`` tokens (:func:`key_context`). The proposer and the pool replay
-    (benchmarks/replay_pool.py) both draft through this one order."""
-    if texts is not None:
-        found = deep_match_draft(texts, pools, fallbacks, req_id, history, num_tokens, room)
-        if found is not None:
-            return found
-    return chain_draft(pools, fallbacks, context, room)
-
-
-def pad_draft(draft: list[int], origins: list[Origin], room: int, last_token: int) -> tuple[list[int], list[Origin]]:
-    """``draft`` filled up to ``room`` tokens by repeating its last token (``last_token``,
-    the text's, where it is empty), with :attr:`Origin.PAD` for the filler (``pad_drafts``).
-    Lossless: verification stops at the first token the target does not produce."""
-    missing = room - len(draft)
-    if missing <= 0:
-        return draft, origins
-    return draft + [draft[-1] if draft else last_token] * missing, origins + [Origin.PAD] * missing
+def pad_drafts(drafts: BatchDrafts, rooms: np.ndarray, last_tokens: np.ndarray) -> None:
+    """Fill each draft up to its room by repeating its last token (the text's, where it is
+    empty), with :attr:`Origin.PAD` for the filler (``pad_drafts``), in place. Lossless:
+    verification stops at the first token the target does not produce."""
+    tokens, lengths = drafts.tokens, drafts.lengths
+    rows = np.arange(len(lengths))
+    last = np.where(lengths > 0, tokens[rows, np.maximum(lengths - 1, 0)], last_tokens)
+    filler = (np.arange(tokens.shape[1]) >= lengths[:, None]) & (np.arange(tokens.shape[1]) < rooms[:, None])
+    tokens[filler] = np.broadcast_to(last[:, None], tokens.shape)[filler]
+    drafts.origins[filler] = ORIGIN_CODE[Origin.PAD]
+    np.maximum(lengths, rooms, out=lengths)
 
 
 @dataclass
@@ -338,7 +191,6 @@ class FafoProposer:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.metrics = FafoMetrics()
-        self.texts = tenant_texts(self.config)
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           longest_match(self.config))
         self.judge = DraftJudge(self.num_speculative_tokens)
@@ -353,7 +205,6 @@ class FafoProposer:
         self._requests: dict[str, RequestState] = {}
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
-        self.shared = shared_pools(self.config)
         self.step: FafoStep | None = None
         self._model = None
         self.tree_enabled = self.config.num_candidates > 1
@@ -364,15 +215,13 @@ class FafoProposer:
                     "branches read vLLM's paged KV cache, which this engine's cache dtype or CPU "
                     "attention ISA does not allow; set num_candidates to 1"
                 )
-        fallbacks: list[Fallback] = []
-        if self.config.frozen_table is not None:
-            fallbacks.append(load_table(self.config.frozen_table, self.config.max_key_len, self.config.ngram_len))
-        if self.config.prior_table != PRIOR_TABLE_OFF:
-            prior = resolve_prior_table(self.config.prior_table, vllm_config.model_config.model,
-                                        vllm_config.model_config.get_vocab_size())
-            fallbacks += [prior] if prior is not None else []
-        self.fallbacks: tuple[Fallback, ...] = tuple(fallbacks)
-        """Tables drafted from where a request's pools miss, in this order (:func:`chain_draft`)."""
+        frozen = None if self.config.frozen_table is None else load_table(
+            self.config.frozen_table, self.config.max_key_len, self.config.ngram_len)
+        prior = None if self.config.prior_table == PRIOR_TABLE_OFF else resolve_prior_table(
+            self.config.prior_table, vllm_config.model_config.model, vllm_config.model_config.get_vocab_size())
+        self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
+        """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
+        from where they miss: filed and drafted once per step for the whole batch."""
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
         if region is not None:
@@ -556,8 +405,7 @@ class FafoProposer:
             self._tenants.pop(req_id, None)
             if self._requests.pop(req_id, None) is not None:
                 self.metrics.requests_freed += 1
-            if self.texts is not None:
-                self.texts.stop(req_id)
+            self.index.stop(req_id)
         self.judge.forget(req_ids)
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
@@ -579,13 +427,20 @@ class FafoProposer:
             "controller": self.controller.summary(),
         }
 
+    @property
+    def shared(self) -> TenantPools | None:
+        """The tenants' shared pools (None: sharing off)."""
+        return self.index.shared
+
+    @property
+    def texts(self) -> TenantTexts | None:
+        """The texts deep matches are drafted from (None: the modes)."""
+        return self.index.texts
+
     def forget_shared_pool(self) -> None:
         """Empty every tenant's shared pool (and the answers kept for deep matches), so a benchmark's runs
         do not learn each other's answers."""
-        if self.shared is not None:
-            self.shared.clear()
-        if self.texts is not None:
-            self.texts.clear()
+        self.index.forget_shared()
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -608,60 +463,55 @@ class FafoProposer:
                 "the vllm_fafo runner patches are not applied in this process"
             )
         self.metrics.propose_calls += 1
-        num_rows = len(sampled_token_ids)
         decoding_rows: dict[str, int] = {}  # by request id, in row order
-        accepted = lane_accepted = 0
-        found: list[tuple[RequestState, list[int], list[Origin], int]] = []
-        contexts: list[list[int]] = []
+        states: list[RequestState] = []
+        accepted_origins: list[np.ndarray] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
                 continue
-            num_tokens = int(num_tokens_no_spec[row])
-            history = token_ids_cpu[row]
-            state = self._state_for(req_ids[row], num_tokens - len(sampled), history)
+            req_id = req_ids[row]
+            state = self._state_for(req_id, int(num_tokens_no_spec[row]) - len(sampled), token_ids_cpu[row])
             # What vLLM verified: the drafts it scheduled (none after a preemption, fewer
             # where its token budget cut them), of which len(sampled) - 1 were accepted.
-            verified = len(step.scheduled_spec_tokens.get(req_ids[row], ()))
-            win = step.branch_wins.get(req_ids[row])
-            spine_accepted = min(len(sampled) - 1, verified) if win is None else win[0]
-            accepted_origins = state.last_draft_origins[:spine_accepted]
-            self.metrics.record_acceptance(accepted_origins)
-            decoding_rows[req_ids[row]] = row
-            accepted += len(accepted_origins)
-            lane_accepted += sum(origin is Origin.LANE for origin in accepted_origins)
-            state.next_anchor = file_new_ngrams(self.config, state.pools, history, state.next_anchor, num_tokens,
-                                                state.prompt_len)
-            contexts.append(key_context(history, num_tokens, self.config.max_key_len))
-            found.append((state, *self._draft(req_ids[row], state, history, num_tokens, contexts[-1])))
-        if self.shared is not None:
-            self.shared.trim()
-        self._learn(step, len(decoding_rows), accepted, lane_accepted,
-                    self.judge.judge(decoding_rows, num_tokens_no_spec, token_ids_cpu))
+            verified = len(step.scheduled_spec_tokens.get(req_id, ()))
+            win = step.branch_wins.get(req_id)
+            accepted_origins.append(state.last_draft_origins[: min(len(sampled) - 1, verified) if win is None
+                                                             else win[0]])
+            decoding_rows[req_id] = row
+            states.append(state)
+        accepted = np.concatenate(accepted_origins) if accepted_origins else NO_ORIGINS
+        self.metrics.record_acceptance(accepted)
         decoding = np.fromiter(decoding_rows.values(), dtype=np.int64, count=len(decoding_rows))
-        key_lens = np.array([key_len for *_, key_len in found], dtype=np.int64)
-        self.judge.add(list(decoding_rows), num_tokens_no_spec[decoding], [draft for _, draft, _, _ in found],
-                       key_lens)
-        lengths = self.controller.choose_draft_lens(
-            self._undrafted_tokens(step), key_lens,
-            np.array([len(draft) for _, draft, _, _ in found], dtype=np.int64),
-        )
-        drafts: list[list[int]] = [[] for _ in range(num_rows)]
-        for row, (state, draft, origins, _), context, length in zip(
-            decoding.tolist(), found, contexts, lengths.tolist()
-        ):
-            drafts[row], state.last_draft_origins = draft[:length], origins[:length]
-            if self.config.pad_drafts:  # every request the same tokens: a uniform decode batch
-                drafts[row], state.last_draft_origins = pad_draft(
-                    drafts[row], state.last_draft_origins, self._room(int(num_tokens_no_spec[row])), context[-1])
-            self.metrics.record_draft(state.last_draft_origins)
+        num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
+        rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
+        next_anchors = np.fromiter((state.next_anchor for state in states), dtype=np.int64, count=len(states))
+        found = self.index.draft_batch(
+            list(decoding_rows), [state.pools for state in states], token_ids_cpu, decoding, num_tokens,
+            np.fromiter((state.prompt_len for state in states), dtype=np.int64, count=len(states)), next_anchors,
+            rooms)
+        lane_accepted = int(np.count_nonzero(accepted == ORIGIN_CODE[Origin.LANE]))
+        self._learn(step, len(decoding_rows), len(accepted), lane_accepted,
+                    self.judge.judge(decoding_rows, num_tokens_no_spec, token_ids_cpu))
+        found_drafts = [tokens[:length] for tokens, length in zip(found.tokens.tolist(), found.lengths.tolist())]
+        self.judge.add(list(decoding_rows), num_tokens, found_drafts, found.key_lens)
+        lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
+        np.minimum(found.lengths, lengths, out=found.lengths)
+        if self.config.pad_drafts:  # every request the same tokens: a uniform decode batch
+            pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
+        self.metrics.record_drafts(found.origins, found.lengths)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for i, (row, state, draft, length) in enumerate(zip(decoding.tolist(), states, found_drafts,
+                                                            found.lengths.tolist())):
+            state.next_anchor = int(next_anchors[i])
+            state.last_draft_origins = found.origins[i, :length]
+            drafts[row] = draft[:length] if length <= len(draft) else found.tokens[i, :length].tolist()
             if self.tree_enabled and req_ids[row] in step.tree_eligible:
                 state.branches = grow_branches(
-                    state.pools, context, drafts[row], self.config.num_candidates - 1,
-                    self.config.tree_tokens - len(drafts[row]),
+                    state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
+                    drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
                 )
         if self.tree_enabled:
-            self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), [state for state, *_ in found],
-                                lengths)
+            self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), states, lengths)
         return drafts
 
     def _size_branches(self, step_tokens: int, states: list[RequestState], spine_lens: np.ndarray) -> None:
@@ -780,26 +630,11 @@ class FafoProposer:
                     f"FafoProposer: request {req_id!r} decodes without having been announced "
                     "by begin_step (the runner patches are not applied in this process)"
                 ) from None
-            shared = () if self.shared is None else (self.shared.pool_for(tenant),)
             state = RequestState(
-                pools=(request_pool(self.config), *shared),
+                pools=self.index.new_pools(req_id, tenant, history[:prompt_len]),
                 prompt_len=prompt_len,
                 next_anchor=first_anchor(self.config, prompt_len),
             )
             self._requests[req_id] = state
             self.metrics.requests_started += 1
-            if self.texts is not None:
-                self.texts.start(req_id, tenant, history[:prompt_len])
         return state
-
-    def _draft(self, req_id: str, state: RequestState, history: np.ndarray, num_tokens: int,
-               context: list[int]) -> tuple[list[int], list[Origin], int]:
-        """The request's draft (:func:`request_draft`), at most ``num_speculative_tokens``
-        and never past ``max_model_len``."""
-        return request_draft(self.texts, state.pools, self.fallbacks, req_id, history,
-                             num_tokens, context, self._room(num_tokens))
-
-    def _room(self, num_tokens: int) -> int:
-        """Draft tokens a request with ``num_tokens`` tokens may get: at most
-        ``num_speculative_tokens``, never past ``max_model_len``."""
-        return min(self.num_speculative_tokens, self.max_model_len - num_tokens)

@@ -1,11 +1,11 @@
 """The n-gram pool: candidates keyed by suffixes of the text (FAFO Alg. 2-3).
 
-One pool per request, in CPU memory. A candidate is a tuple of tokens that
-followed a key somewhere (in the prompt, in the output, or in a lane's
-guess). Each key keeps at most ``capacity`` candidates and evicts the least
-recently used one (FAFO App. F); a lookup tries the longest suffix first
-because a longer shared context predicts the continuation better (FAFO
-Prop. F.1).
+One pool per request (and one shared per tenant, vllm_fafo.drafting.shared_pool).
+A candidate is a tuple of tokens that followed a key somewhere (in the prompt,
+in the output, or in a lane's guess). Each key keeps at most ``capacity``
+candidates and evicts the least recently used one (FAFO App. F); a lookup
+tries the longest suffix first because a longer shared context predicts the
+continuation better (FAFO Prop. F.1).
 
 The same class, configured, is the pool of every method the plugin runs:
 
@@ -15,16 +15,27 @@ The same class, configured, is the pool of every method the plugin runs:
 - Cacheback (Sec. 3.1): keys of exactly LL tokens (leaders) with an LRU cap
   of LC leaders, which both insertion and lookup refresh; at most FC
   followers per leader, refreshed on insertion only.
+
+Pools are native: every pool of an engine is an owner in one
+:class:`PoolArena` of numpy arrays worked by numba kernels
+(:mod:`vllm_fafo.drafting.pool_kernels`), so that one call per step files and
+drafts for the whole batch (:func:`vllm_fafo.drafting.pool_kernels.file_and_draft`),
+as vLLM's ``ngram`` proposer is one numba kernel. :class:`NgramPool` is a
+request's handle on its owner, for everything outside the step's kernel
+(lanes, the draft tree, the modes, tests). The plain Python pool these
+kernels reproduce is kept as the tests' reference (``tests/reference_pool.py``).
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
-from collections import OrderedDict
+import weakref
 from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import NamedTuple
+
+import numpy as np
+
+from vllm_fafo.drafting import pool_kernels as kernels
 
 
 class Origin(str, Enum):
@@ -42,32 +53,16 @@ class Origin(str, Enum):
 
 Candidate = tuple[int, ...]
 
-_ORIGINS = tuple(Origin)
-_ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
-_TOKEN_BYTES = array("i").itemsize
+ORIGINS = tuple(Origin)
+"""Origins by their code (the kernels' int)."""
+ORIGIN_CODE = {origin: code for code, origin in enumerate(ORIGINS)}
+for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kernels' copies of the codes
+    assert getattr(kernels, f"ORIGIN_{_name}") == ORIGIN_CODE[Origin[_name]], _name
 RANKINGS = ("votes", "recency")
 """How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
-GUESS_VOTES = 2
+GUESS_VOTES = kernels.GUESS_VOTES
 """Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
 replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
-
-
-def _packed(tokens: Sequence[int]) -> bytes:
-    """Tokens as the pool keeps them, keys and candidates alike: 32-bit ints in a
-    bytes object (the last ``n`` tokens of a packed key are its last ``4 n`` bytes).
-
-    Why not tuples: the pool holds one dict of candidates per key (a 1,024-token
-    prompt files 4,096 keys), and CPython's garbage collector tracks a dict that
-    holds a freshly made tuple (or an enum member) until a *full* collection
-    untracks it, so those dicts piled up on the collector's lists and every full
-    collection walked them all: pauses of up to 0.43 s at 32 requests x 1,024 tokens
-    (docs/results/serving.md "Garbage collector pauses"). A dict of bytes and ints is
-    never tracked. Origins are kept as plain ints for the same reason."""
-    return array("i", tokens).tobytes()
-
-
-def _unpacked(packed: bytes) -> Candidate:
-    return tuple(array("i", packed))
 
 
 class Match(NamedTuple):
@@ -79,8 +74,181 @@ class Match(NamedTuple):
     key_len: int
 
 
+def _tokens(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+class PoolArena:
+    """The arrays every pool of one engine lives in (:mod:`vllm_fafo.drafting.pool_kernels`),
+    with the settings all its pools share. Grows geometrically, never inside a kernel:
+    callers :meth:`reserve` room for what a call may add."""
+
+    def __init__(self, max_key_len: int, capacity: int, *, min_key_len: int = 1, touch_on_lookup: bool = True,
+                 rank: str = "recency", candidate_len: int = 8) -> None:
+        if not 1 <= min_key_len <= max_key_len:
+            raise ValueError(f"need 1 <= min_key_len={min_key_len} <= max_key_len={max_key_len}")
+        if rank not in RANKINGS:
+            raise ValueError(f"rank={rank!r}: one of {RANKINGS}")
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: at least 1")
+        self.max_key_len = max_key_len
+        self.min_key_len = min_key_len
+        self.capacity = capacity
+        self.touch_on_lookup = touch_on_lookup
+        self.rank = rank
+        self._cfg = np.array([min_key_len, max_key_len, capacity, touch_on_lookup, rank == "votes"], dtype=np.int64)
+        self._counters = np.zeros(kernels.NUM_COUNTERS, dtype=np.int64)
+        self._table = np.zeros(1024, dtype=np.int32)
+        self._slots: dict[str, np.ndarray] = {}
+        self._entries: dict[str, np.ndarray] = {}
+        self._owners: dict[str, np.ndarray] = {}
+        self._grow_slots(256)
+        self._grow_entries(256, candidate_len)
+        self._grow_owners(8)
+        self._free_owners: list[int] = list(range(7, -1, -1))
+        self.scratch = np.zeros(4 * (2 * capacity + 1), dtype=np.int64)
+        """Room for :func:`~vllm_fafo.drafting.pool_kernels.match_pair` (both pools' votes)."""
+        self._state: tuple | None = None
+
+    # arrays ---------------------------------------------------------------------------
+    @staticmethod
+    def _grown(old: np.ndarray | None, shape: tuple[int, ...], dtype, fill: int) -> np.ndarray:
+        new = np.full(shape, fill, dtype=dtype)
+        if old is not None:
+            new[tuple(slice(0, n) for n in old.shape)] = old
+        return new
+
+    def _grow_slots(self, size: int) -> None:
+        old = self._slots
+        old_size = len(old["owner"]) if old else 0
+        k = self.max_key_len
+        self._slots = {
+            "owner": self._grown(old.get("owner"), (size,), np.int32, -1),
+            "klen": self._grown(old.get("klen"), (size,), np.int32, 0),
+            "key": self._grown(old.get("key"), (size, k), np.int32, 0),
+            "head": self._grown(old.get("head"), (size,), np.int32, -1),
+            "count": self._grown(old.get("count"), (size,), np.int32, 0),
+            "prev": self._grown(old.get("prev"), (size,), np.int32, -1),
+            "next": self._grown(old.get("next"), (size,), np.int32, -1),
+            "tpos": self._grown(old.get("tpos"), (size,), np.int64, 0),
+        }
+        free = self._grown(old.get("free"), (size,), np.int32, 0)
+        top = int(self._counters[kernels.CNT_SLOT_FREE])
+        added = np.arange(size - 1, old_size - 1, -1, dtype=np.int32)  # lowest index taken first
+        free[top + len(added) :] = 0
+        free[top : top + len(added)] = added
+        self._slots["free"] = free
+        self._counters[kernels.CNT_SLOT_FREE] = top + len(added)
+        self._state = None
+
+    def _grow_entries(self, size: int, candidate_len: int) -> None:
+        old = self._entries
+        old_size = len(old["len"]) if old else 0
+        self._entries = {
+            "tok": self._grown(old.get("tok"), (size, candidate_len), np.int32, 0),
+            "len": self._grown(old.get("len"), (size,), np.int32, 0),
+            "origin": self._grown(old.get("origin"), (size,), np.int32, 0),
+            "stamp": self._grown(old.get("stamp"), (size,), np.int64, 0),
+            "next": self._grown(old.get("next"), (size,), np.int32, -1),
+        }
+        free = self._grown(old.get("free"), (size,), np.int32, 0)
+        top = int(self._counters[kernels.CNT_ENTRY_FREE])
+        added = np.arange(size - 1, old_size - 1, -1, dtype=np.int32)
+        free[top : top + len(added)] = added
+        self._entries["free"] = free
+        self._counters[kernels.CNT_ENTRY_FREE] = top + len(added)
+        self._state = None
+
+    def _grow_owners(self, size: int) -> None:
+        old = self._owners
+        self._owners = {
+            "head": self._grown(old.get("head"), (size,), np.int32, -1),
+            "tail": self._grown(old.get("tail"), (size,), np.int32, -1),
+            "keys": self._grown(old.get("keys"), (size,), np.int64, 0),
+            "max_keys": self._grown(old.get("max_keys"), (size,), np.int64, 0),
+        }
+        self._state = None
+
+    @property
+    def candidate_len(self) -> int:
+        """The longest candidate the arena holds without growing."""
+        return self._entries["tok"].shape[1]
+
+    @property
+    def state(self) -> tuple:
+        """The arrays, in the order the kernels read them (``ST_*``)."""
+        if self._state is None:
+            s, e, o = self._slots, self._entries, self._owners
+            self._state = (self._cfg, self._counters, self._table, s["owner"], s["klen"], s["key"], s["head"],
+                           s["count"], s["prev"], s["next"], s["tpos"], e["tok"], e["len"], e["origin"], e["stamp"],
+                           e["next"], o["head"], o["tail"], o["keys"], o["max_keys"], s["free"], e["free"])
+        return self._state
+
+    def reserve(self, keys: int, candidate_len: int = 0) -> None:
+        """Room for ``keys`` more keys and candidates, candidates up to ``candidate_len`` long."""
+        counters = self._counters
+        if counters[kernels.CNT_SLOT_FREE] < keys:
+            self._grow_slots(max(2 * len(self._slots["owner"]), len(self._slots["owner"]) + keys))
+        short = counters[kernels.CNT_ENTRY_FREE] < keys
+        if short or candidate_len > self.candidate_len:
+            size = len(self._entries["len"])
+            self._grow_entries(max(2 * size, size + keys) if short else size, max(candidate_len, self.candidate_len))
+        if 2 * (counters[kernels.CNT_TABLE_USED] + keys) > len(self._table):
+            live = int(counters[kernels.CNT_LIVE_SLOTS])
+            size = len(self._table)
+            while 4 * (live + keys) > size:
+                size *= 2
+            self._table = np.zeros(size, dtype=np.int32)
+            self._state = None
+            kernels.rehash(self.state)
+
+    # owners ---------------------------------------------------------------------------
+    def new_owner(self, max_keys: int = 0) -> int:
+        """A new empty pool's id, holding at most ``max_keys`` keys (0: unbounded)."""
+        if not self._free_owners:
+            size = len(self._owners["head"])
+            self._grow_owners(2 * size)
+            self._free_owners = list(range(2 * size - 1, size - 1, -1))
+        owner = self._free_owners.pop()
+        self._owners["max_keys"][owner] = max_keys
+        return owner
+
+    def release(self, owner: int) -> None:
+        """Drop a pool's keys and free its id (its handle is gone)."""
+        kernels.clear_owner(self.state, owner)
+        self._owners["max_keys"][owner] = 0
+        self._free_owners.append(owner)
+
+    def num_keys(self, owner: int) -> int:
+        return int(self._owners["keys"][owner])
+
+    @property
+    def num_live_keys(self) -> int:
+        """Keys held by every pool of the arena."""
+        return int(self._counters[kernels.CNT_LIVE_SLOTS])
+
+    def nbytes(self) -> int:
+        """Bytes of all the arena's arrays (allocated, used or not)."""
+        return int(self._table.nbytes + sum(a.nbytes for group in (self._slots, self._entries, self._owners)
+                                            for a in group.values()) + self.scratch.nbytes)
+
+    def bytes_per_key(self) -> int:
+        """Bytes one key slot and its candidates take (at full capacity)."""
+        slot = sum(a.itemsize * (a.size // len(a)) for a in self._slots.values()) + 2 * self._table.itemsize
+        entry = sum(a.itemsize * (a.size // len(a)) for a in self._entries.values())
+        return int(slot + self.capacity * entry)
+
+    def candidate(self, entry: int) -> Candidate:
+        return tuple(self._entries["tok"][entry, : self._entries["len"][entry]].tolist())
+
+    def origin(self, entry: int) -> Origin:
+        return ORIGINS[int(self._entries["origin"][entry])]
+
+
 class NgramPool:
-    """Suffix-keyed candidate table with per-key (and optional key) LRU caps."""
+    """One pool (an owner of a :class:`PoolArena`): a suffix-keyed candidate table with
+    per-key (and optional key) LRU caps. Without ``arena`` the pool gets an arena of its
+    own with these settings; with one, the settings must be the arena's."""
 
     def __init__(
         self,
@@ -91,28 +259,27 @@ class NgramPool:
         max_keys: int = 0,
         touch_on_lookup: bool = True,
         rank: str = "recency",
+        arena: PoolArena | None = None,
     ) -> None:
-        if not 1 <= min_key_len <= max_key_len:
-            raise ValueError(f"need 1 <= min_key_len={min_key_len} <= max_key_len={max_key_len}")
-        if rank not in RANKINGS:
-            raise ValueError(f"rank={rank!r}: one of {RANKINGS}")
+        if arena is None:
+            arena = PoolArena(max_key_len, capacity, min_key_len=min_key_len, touch_on_lookup=touch_on_lookup,
+                              rank=rank)
+        settings = (max_key_len, capacity, min_key_len, touch_on_lookup, rank)
+        if settings != (arena.max_key_len, arena.capacity, arena.min_key_len, arena.touch_on_lookup, arena.rank):
+            raise ValueError(f"pool settings {settings} differ from its arena's")
+        self.arena = arena
         self.max_key_len = max_key_len
         self.min_key_len = min_key_len
         self.capacity = capacity
         self.max_keys = max_keys  # 0: unbounded
         self.touch_on_lookup = touch_on_lookup
         self.rank = rank
-        self._table: dict[bytes, dict[bytes, int]] = OrderedDict() if max_keys else {}
-        """Key -> its candidates and their origins' codes (:func:`_packed`), least
-        recently used first (a dict keeps insertion order, and a new one costs less than
-        an OrderedDict: the pool makes one per new key).
-        Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
-        it; unbounded, a plain dict in first-filed order, with no move per key filed or
-        looked up (docs/results/lanes.md, "FAFO's lanes", the proposer's host time)."""
+        self.owner = arena.new_owner(max_keys)
+        weakref.finalize(self, arena.release, self.owner).atexit = False
 
     def __len__(self) -> int:
         """Number of keys held."""
-        return len(self._table)
+        return self.arena.num_keys(self.owner)
 
     def add(self, context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
         """File ``candidate`` under every suffix of ``context`` of length
@@ -123,44 +290,18 @@ class NgramPool:
         """
         add_to_pools((self,), context, candidate, origin)
 
-    def _file(self, suffix: bytes, longest: int, candidate: bytes, code: int) -> None:
-        """:meth:`add` of a packed candidate under the packed ``longest``-token suffix."""
-        table, max_keys = self._table, self.max_keys
-        for key_len in range(self.min_key_len, longest + 1):
-            key = suffix[(longest - key_len) * _TOKEN_BYTES :]
-            entries = table.get(key)
-            if entries is None:
-                table[key] = {candidate: code}
-                if max_keys and len(table) > max_keys:
-                    table.popitem(last=False)
-                continue
-            if max_keys:
-                table.move_to_end(key)
-            if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
-                del entries[next(iter(entries))]  # the least recently used
-            entries[candidate] = code  # (re)inserted last: the most recently used
-
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """Most recently used candidate under the longest matching suffix, and its origin."""
         found = self.match(context)
         return None if found is None else (found.candidate, found.origin)
 
     def match(self, context: Sequence[int]) -> Match | None:
-        """Most recently used candidate under the longest matching suffix.
+        """The candidate under the longest matching suffix (:func:`match_pools`).
 
         The key's recency is refreshed; the candidate's only with
         ``touch_on_lookup``.
         """
         return match_pools((self,), context)
-
-    def _take(self, key: bytes, entries: dict[bytes, int], candidate: bytes) -> tuple[Candidate, Origin]:
-        """``candidate`` (packed, under ``key``) as a lookup's answer, refreshed as :meth:`match` says."""
-        if self.max_keys:
-            self._table.move_to_end(key)
-        code = entries[candidate]
-        if self.touch_on_lookup:
-            entries[candidate] = entries.pop(candidate)
-        return _unpacked(candidate), _ORIGINS[code]
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
         """Every candidate under the suffixes of ``context``, longest key first,
@@ -170,109 +311,77 @@ class NgramPool:
 
     def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
         """Candidates under exactly ``key``, most recently used first; recency untouched."""
-        return self._entries(_packed(key))
+        return iter(self._newest_first(_tokens(key)))
 
-    def _entries(self, key: bytes) -> Iterator[Candidate]:
-        return map(_unpacked, reversed(self._table.get(key) or ()))
+    def _newest_first(self, key: np.ndarray) -> list[Candidate]:
+        arena = self.arena
+        out = np.empty(self.capacity, dtype=np.int64)
+        count = kernels.slot_entries(arena.state, self.owner, key, 0, len(key), out)
+        return [arena.candidate(entry) for entry in out[:count].tolist()]
 
     def num_entries(self) -> int:
         """Candidates held under all keys (a candidate under several keys counts
         once per key): with :meth:`__len__`, what the pool's memory grows with."""
-        return sum(map(len, self._table.values()))
+        return int(kernels.owner_entries(self.arena.state, self.owner))
 
-    def nbytes(self, counted: set[int] | None = None) -> int:
-        """Bytes of the table, its keys and its candidates (``sys.getsizeof``; a
-        candidate filed under several keys, ids in ``counted``, is counted once).
-        Walks everything: for reports, not for the step."""
-        counted = set() if counted is None else counted
-        total = sys.getsizeof(self._table)
-        for key, entries in self._table.items():
-            total += sys.getsizeof(key) + sys.getsizeof(entries)
-            for candidate in entries:
-                if id(candidate) not in counted:
-                    counted.add(id(candidate))
-                    total += sys.getsizeof(candidate)
-        return total
+    def nbytes(self) -> int:
+        """Bytes the pool's keys and candidates take in its arena (slots at full capacity)."""
+        return len(self) * self.arena.bytes_per_key()
 
     def clear(self) -> None:
-        self._table.clear()
+        kernels.clear_owner(self.arena.state, self.owner)
 
     def candidates(self, key: Sequence[int]) -> list[Candidate]:
         """Candidates under exactly ``key``, least recently used first."""
-        return list(map(_unpacked, self._table.get(_packed(key), ())))
+        return self._newest_first(_tokens(key))[::-1]
 
     def keys(self) -> list[Candidate]:
         """Keys, least recently used first (first filed first where ``max_keys`` is 0)."""
-        return list(map(_unpacked, self._table))
+        arena = self.arena
+        out = np.empty(len(self), dtype=np.int64)
+        count = kernels.owner_slots(arena.state, self.owner, out)
+        keys, lengths = arena._slots["key"], arena._slots["klen"]
+        return [tuple(keys[s, : lengths[s]].tolist()) for s in out[:count].tolist()]
 
 
 def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
-    """:meth:`NgramPool.add` into every pool, the tokens packed once for all of them.
-    All pools must use the same key lengths."""
-    if not candidate:
+    """:meth:`NgramPool.add` into every pool, in order."""
+    if not len(candidate):
         return
-    longest = min(pools[0].max_key_len, len(context))
-    suffix, packed, code = _packed(context[len(context) - longest :]), _packed(candidate), _ORIGIN_CODE[origin]
+    context, candidate = _tokens(context), _tokens(candidate)
+    code = ORIGIN_CODE[origin]
     for pool in pools:
-        pool._file(suffix, longest, packed, code)
+        arena = pool.arena
+        arena.reserve(pool.max_key_len, len(candidate))
+        kernels.file_candidate(arena.state, pool.owner, context, 0, len(context), candidate, 0, len(candidate), code)
 
 
 def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int | None = None) -> Match | None:
-    """A candidate under the longest suffix of ``context`` any pool holds one under.
-    A candidate found in a pool after the first is reported as :attr:`Origin.SHARED`.
-    All pools must use the same key lengths and ranking.
+    """A candidate under the longest suffix of ``context`` any pool (one or two) holds one
+    under. A candidate found in the second pool is reported as :attr:`Origin.SHARED`.
+    Both pools must use the same key lengths and ranking.
 
     Ranked by ``recency`` (the first pool's ``rank``): the most recently used
     candidate of the first pool that has one (a request's own pool before the
     shared one). By ``votes``: the candidate whose first token the most
-    candidates under the key begin with, counted over all pools (a text the
+    candidates under the key begin with, counted over both pools (a text the
     request's own pool and the shared one both hold counts twice, so the own text
     weighs more), ``guess`` (the next token the fallbacks would draft, the prior
     table's) casting :data:`GUESS_VOTES` more; ties go as by recency. Where a key's
     candidates disagree, the majority is right more often than the newest: tau
     2.268 -> 2.316 on the MT-Bench replay (docs/results/draft-sources.md "Candidate ranking, replayed")."""
-    first = pools[0]
-    longest = min(first.max_key_len, len(context))
-    suffix = _packed(context[len(context) - longest :])
-    for key_len in range(longest, first.min_key_len - 1, -1):
-        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
-        chosen = _voted(pools, key, guess) if first.rank == "votes" else _newest_held(pools, key)
-        if chosen is not None:
-            index, pool, entries, candidate = chosen
-            found, origin = pool._take(key, entries, candidate)
-            return Match(found, origin if index == 0 else Origin.SHARED, key_len)
-    return None
-
-
-_Choice = tuple[int, NgramPool, dict[bytes, int], bytes]
-"""A lookup's pick under one key: the pool's index and the pool, the key's entries there,
-the packed candidate."""
-
-
-def _newest_held(pools: Sequence[NgramPool], key: bytes) -> _Choice | None:
-    """:func:`match_pools`'s ``recency`` pick under exactly ``key``."""
-    for index, pool in enumerate(pools):
-        entries = pool._table.get(key)
-        if entries:
-            return index, pool, entries, next(reversed(entries))
-    return None
-
-
-def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> _Choice | None:
-    """:func:`match_pools`'s ``votes`` pick under exactly ``key``: compares packed first
-    tokens (4 bytes), no unpacking."""
-    held = [(index, pool, entries) for index, pool in enumerate(pools) if (entries := pool._table.get(key))]
-    votes: dict[bytes, int] = {} if guess is None else {_packed((guess,)): GUESS_VOTES}
-    for _, _, entries in held:
-        for candidate in entries:
-            votes[candidate[:_TOKEN_BYTES]] = votes.get(candidate[:_TOKEN_BYTES], 0) + 1
-    best, best_votes = None, -1
-    for index, pool, entries in held:
-        for candidate in reversed(entries):
-            count = votes[candidate[:_TOKEN_BYTES]]
-            if count > best_votes:
-                best, best_votes = (index, pool, entries, candidate), count
-    return best
+    if not 1 <= len(pools) <= 2:
+        raise ValueError(f"match_pools takes one or two pools, got {len(pools)}")
+    first, second = pools[0], pools[-1]
+    context = _tokens(context)
+    scratch = first.arena.scratch if first.capacity >= second.capacity else second.arena.scratch
+    which, entry, key_len = kernels.match_pair(
+        first.arena.state, first.owner, second.arena.state, second.owner if len(pools) == 2 else -1,
+        context, 0, len(context), -1 if guess is None else guess, scratch)
+    if which < 0:
+        return None
+    arena = pools[which].arena
+    return Match(arena.candidate(entry), arena.origin(entry) if which == 0 else Origin.SHARED, key_len)
 
 
 def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:
@@ -280,12 +389,12 @@ def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Itera
     first, then pool order, then most recently used first; each once."""
     seen: set[Candidate] = set()
     first = pools[0]
+    context = _tokens(context)
     longest = min(first.max_key_len, len(context))
-    suffix = _packed(context[len(context) - longest :])
     for key_len in range(longest, first.min_key_len - 1, -1):
-        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
+        key = context[len(context) - key_len :]
         for pool in pools:
-            for candidate in pool._entries(key):
+            for candidate in pool._newest_first(key):
                 if candidate not in seen:
                     seen.add(candidate)
                     yield candidate

@@ -59,6 +59,16 @@ class PriorTable:
         self._lengths = np.where(stopped.any(axis=1), stopped.argmax(axis=1), rows.shape[1])
 
     @property
+    def rows(self) -> np.ndarray:
+        """``vocabulary x width`` int32, -1 after a continuation that stopped early."""
+        return self._rows
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each token's continuation's length."""
+        return self._lengths
+
+    @property
     def vocab_size(self) -> int:
         return len(self._rows)
 

@@ -21,22 +21,21 @@ pool until they finish; new requests of that tenant start afresh).
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
-from vllm_fafo.drafting.pool import NgramPool
+from vllm_fafo.drafting.pool import NgramPool, PoolArena
 
 
 class TenantPools:
-    """One bounded :class:`NgramPool` per tenant, least recently used tenant evicted."""
+    """One bounded :class:`NgramPool` per tenant, least recently used tenant evicted.
+    The pools live in ``arena`` (the requests' own pools' arena, so one kernel call
+    drafts from both) and take its settings."""
 
-    def __init__(self, max_key_len: int, capacity: int, *, min_key_len: int, max_keys: int,
-                 max_tenants: int, touch_on_lookup: bool, rank: str = "recency") -> None:
+    def __init__(self, arena: PoolArena, *, max_keys: int, max_tenants: int) -> None:
         if max_keys < 1 or max_tenants < 1:
             raise ValueError(f"need max_keys={max_keys} >= 1 and max_tenants={max_tenants} >= 1")
-        self._pool_args = dict(min_key_len=min_key_len, max_keys=max_keys, touch_on_lookup=touch_on_lookup, rank=rank)
-        self.max_key_len = max_key_len
-        self.capacity = capacity
+        self.arena = arena
+        self.max_keys = max_keys
         self.max_tenants = max_tenants
         self._pools: OrderedDict[str | None, NgramPool] = OrderedDict()
 
@@ -44,7 +43,10 @@ class TenantPools:
         """The tenant's pool (made on first use), refreshed as most recently used."""
         pool = self._pools.get(tenant)
         if pool is None:
-            pool = self._pools[tenant] = NgramPool(self.max_key_len, self.capacity, **self._pool_args)
+            arena = self.arena
+            pool = self._pools[tenant] = NgramPool(
+                arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len, max_keys=self.max_keys,
+                touch_on_lookup=arena.touch_on_lookup, rank=arena.rank, arena=arena)
             self.trim()
         else:
             self._pools.move_to_end(tenant)
@@ -53,8 +55,7 @@ class TenantPools:
     def trim(self) -> None:
         """Drop least recently used tenants while there are too many or they hold more
         than ``max_keys`` keys together (the most recent one is bounded by its own cap)."""
-        max_keys = self._pool_args["max_keys"]
-        while len(self._pools) > 1 and (len(self._pools) > self.max_tenants or self.num_keys() > max_keys):
+        while len(self._pools) > 1 and (len(self._pools) > self.max_tenants or self.num_keys() > self.max_keys):
             self._pools.popitem(last=False)
 
     @property
@@ -70,10 +71,8 @@ class TenantPools:
         return sum(pool.num_entries() for pool in self._pools.values())
 
     def nbytes(self) -> int:
-        """Bytes of the tables, keys and candidates. Walks everything: for reports, not
-        for the step."""
-        counted: set[int] = set()
-        return sys.getsizeof(self._pools) + sum(pool.nbytes(counted) for pool in self._pools.values())
+        """Bytes the tenants' keys and candidates take in the arena."""
+        return sum(pool.nbytes() for pool in self._pools.values())
 
     def clear(self) -> None:
         """Empty every tenant's pool in place (running requests hold them)."""

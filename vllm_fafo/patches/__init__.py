@@ -22,6 +22,7 @@ def apply_all() -> None:
         gpu_model_runner,
         new_request_data,
         rejection_sampler,
+        triton_dispatcher,
     )
 
     engine_args.apply()
@@ -30,3 +31,4 @@ def apply_all() -> None:
     cpu_sampling.apply()
     new_request_data.apply()
     rejection_sampler.apply()
+    triton_dispatcher.apply()

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_fafo.drafting.pool import Origin
+import numpy as np
+
+from vllm_fafo.drafting.pool import ORIGIN_CODE, ORIGINS, Origin
 
 
 def _per_origin() -> dict[str, int]:
@@ -42,21 +44,26 @@ class FafoMetrics:
     proposed_tokens: dict[str, int] = field(default_factory=_per_origin)
     accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
 
-    def record_draft(self, origins: list[Origin]) -> None:
-        """One draft, by the origin of each of its tokens (empty, or filler only: a miss)."""
-        self.lookups += 1
-        if origins and origins[0] is not Origin.PAD:
-            self.pool_hits += 1
-        for origin in origins:
-            self.proposed_tokens[origin.value] += 1
+    def record_drafts(self, origins: np.ndarray, lengths: np.ndarray) -> None:
+        """One step's drafts, row ``i`` its first ``lengths[i]`` tokens' origins
+        (:class:`Origin` codes); an empty draft, or filler only, is a miss."""
+        self.lookups += len(lengths)
+        if not len(lengths):
+            return
+        self.pool_hits += int(np.count_nonzero((lengths > 0) & (origins[:, 0] != ORIGIN_CODE[Origin.PAD])))
+        _count(self.proposed_tokens, origins[np.arange(origins.shape[1]) < lengths[:, None]])
 
-    def record_acceptance(self, origins: list[Origin]) -> None:
-        """The accepted prefix of the last draft, by token origin."""
-        for origin in origins:
-            self.accepted_tokens[origin.value] += 1
+    def record_acceptance(self, origins: np.ndarray) -> None:
+        """The accepted prefixes of the last drafts, by token origin (codes)."""
+        _count(self.accepted_tokens, origins)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _count(counts: dict[str, int], codes: np.ndarray) -> None:
+    for code, n in enumerate(np.bincount(codes.reshape(-1), minlength=len(ORIGINS)).tolist()):
+        counts[ORIGINS[code].value] += n
 
 
 def worker_metrics(worker: Any) -> dict[str, Any] | None:

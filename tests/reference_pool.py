@@ -1,0 +1,280 @@
+"""The tests' reference n-gram pool: plain Python dicts, the semantics the native pool
+(vllm_fafo.drafting.pool, numba kernels in vllm_fafo.drafting.pool_kernels) must keep.
+
+This was the plugin's pool until the native one replaced it (2026-12-02);
+tests/test_native_pool.py drives both with the same random and real token streams
+and asserts the same answers, evictions and isolation.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from enum import Enum
+from typing import NamedTuple
+
+
+class Origin(str, Enum):
+    """Where a candidate came from; counted separately in the metrics."""
+
+    PROMPT = "prompt"
+    OUTPUT = "output"
+    LANE = "lane"
+    FROZEN = "frozen"  # Cacheback's offline table
+    SHARED = "shared"  # another request's text or lanes, via the shared pool
+    DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (vllm_fafo.drafting.deep_match)
+    PAD = "pad"  # filler after the found draft (pad_drafts)
+    PRIOR = "prior"  # the target's continuation of the text's last token (vllm_fafo.drafting.prior_table)
+
+
+Candidate = tuple[int, ...]
+
+_ORIGINS = tuple(Origin)
+_ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
+_TOKEN_BYTES = array("i").itemsize
+RANKINGS = ("votes", "recency")
+"""How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
+GUESS_VOTES = 2
+"""Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
+replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
+
+
+def _packed(tokens: Sequence[int]) -> bytes:
+    """Tokens as the pool keeps them, keys and candidates alike: 32-bit ints in a
+    bytes object (the last ``n`` tokens of a packed key are its last ``4 n`` bytes).
+
+    Why not tuples: the pool holds one dict of candidates per key (a 1,024-token
+    prompt files 4,096 keys), and CPython's garbage collector tracks a dict that
+    holds a freshly made tuple (or an enum member) until a *full* collection
+    untracks it, so those dicts piled up on the collector's lists and every full
+    collection walked them all: pauses of up to 0.43 s at 32 requests x 1,024 tokens
+    (docs/results/serving.md "Garbage collector pauses"). A dict of bytes and ints is
+    never tracked. Origins are kept as plain ints for the same reason."""
+    return array("i", tokens).tobytes()
+
+
+def _unpacked(packed: bytes) -> Candidate:
+    return tuple(array("i", packed))
+
+
+class Match(NamedTuple):
+    """A lookup's answer: the candidate, where it came from, and the length of the
+    key it was found under (the goodput controller's evidence for how far to draft)."""
+
+    candidate: Candidate
+    origin: Origin
+    key_len: int
+
+
+class NgramPool:
+    """Suffix-keyed candidate table with per-key (and optional key) LRU caps."""
+
+    def __init__(
+        self,
+        max_key_len: int,
+        capacity: int,
+        *,
+        min_key_len: int = 1,
+        max_keys: int = 0,
+        touch_on_lookup: bool = True,
+        rank: str = "recency",
+    ) -> None:
+        if not 1 <= min_key_len <= max_key_len:
+            raise ValueError(f"need 1 <= min_key_len={min_key_len} <= max_key_len={max_key_len}")
+        if rank not in RANKINGS:
+            raise ValueError(f"rank={rank!r}: one of {RANKINGS}")
+        self.max_key_len = max_key_len
+        self.min_key_len = min_key_len
+        self.capacity = capacity
+        self.max_keys = max_keys  # 0: unbounded
+        self.touch_on_lookup = touch_on_lookup
+        self.rank = rank
+        self._table: dict[bytes, dict[bytes, int]] = OrderedDict() if max_keys else {}
+        """Key -> its candidates and their origins' codes (:func:`_packed`), least
+        recently used first (a dict keeps insertion order, and a new one costs less than
+        an OrderedDict: the pool makes one per new key).
+        Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
+        it; unbounded, a plain dict in first-filed order, with no move per key filed or
+        looked up (docs/results/lanes.md, "FAFO's lanes", the proposer's host time)."""
+
+    def __len__(self) -> int:
+        """Number of keys held."""
+        return len(self._table)
+
+    def add(self, context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
+        """File ``candidate`` under every suffix of ``context`` of length
+        ``min_key_len``..``max_key_len``.
+
+        ``context`` only needs its last K tokens; callers pass a short slice.
+        Re-adding a known candidate refreshes its recency and origin.
+        """
+        add_to_pools((self,), context, candidate, origin)
+
+    def _file(self, suffix: bytes, longest: int, candidate: bytes, code: int) -> None:
+        """:meth:`add` of a packed candidate under the packed ``longest``-token suffix."""
+        table, max_keys = self._table, self.max_keys
+        for key_len in range(self.min_key_len, longest + 1):
+            key = suffix[(longest - key_len) * _TOKEN_BYTES :]
+            entries = table.get(key)
+            if entries is None:
+                table[key] = {candidate: code}
+                if max_keys and len(table) > max_keys:
+                    table.popitem(last=False)
+                continue
+            if max_keys:
+                table.move_to_end(key)
+            if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
+                del entries[next(iter(entries))]  # the least recently used
+            entries[candidate] = code  # (re)inserted last: the most recently used
+
+    def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
+        """Most recently used candidate under the longest matching suffix, and its origin."""
+        found = self.match(context)
+        return None if found is None else (found.candidate, found.origin)
+
+    def match(self, context: Sequence[int]) -> Match | None:
+        """Most recently used candidate under the longest matching suffix.
+
+        The key's recency is refreshed; the candidate's only with
+        ``touch_on_lookup``.
+        """
+        return match_pools((self,), context)
+
+    def _take(self, key: bytes, entries: dict[bytes, int], candidate: bytes) -> tuple[Candidate, Origin]:
+        """``candidate`` (packed, under ``key``) as a lookup's answer, refreshed as :meth:`match` says."""
+        if self.max_keys:
+            self._table.move_to_end(key)
+        code = entries[candidate]
+        if self.touch_on_lookup:
+            entries[candidate] = entries.pop(candidate)
+        return _unpacked(candidate), _ORIGINS[code]
+
+    def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
+        """Every candidate under the suffixes of ``context``, longest key first,
+        most recently used first under each key, each once; recency untouched
+        (the draft tree's branches, :mod:`vllm_fafo.verification.draft_tree`)."""
+        return alternatives_in((self,), context)
+
+    def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
+        """Candidates under exactly ``key``, most recently used first; recency untouched."""
+        return self._entries(_packed(key))
+
+    def _entries(self, key: bytes) -> Iterator[Candidate]:
+        return map(_unpacked, reversed(self._table.get(key) or ()))
+
+    def num_entries(self) -> int:
+        """Candidates held under all keys (a candidate under several keys counts
+        once per key): with :meth:`__len__`, what the pool's memory grows with."""
+        return sum(map(len, self._table.values()))
+
+    def nbytes(self, counted: set[int] | None = None) -> int:
+        """Bytes of the table, its keys and its candidates (``sys.getsizeof``; a
+        candidate filed under several keys, ids in ``counted``, is counted once).
+        Walks everything: for reports, not for the step."""
+        counted = set() if counted is None else counted
+        total = sys.getsizeof(self._table)
+        for key, entries in self._table.items():
+            total += sys.getsizeof(key) + sys.getsizeof(entries)
+            for candidate in entries:
+                if id(candidate) not in counted:
+                    counted.add(id(candidate))
+                    total += sys.getsizeof(candidate)
+        return total
+
+    def clear(self) -> None:
+        self._table.clear()
+
+    def candidates(self, key: Sequence[int]) -> list[Candidate]:
+        """Candidates under exactly ``key``, least recently used first."""
+        return list(map(_unpacked, self._table.get(_packed(key), ())))
+
+    def keys(self) -> list[Candidate]:
+        """Keys, least recently used first (first filed first where ``max_keys`` is 0)."""
+        return list(map(_unpacked, self._table))
+
+
+def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
+    """:meth:`NgramPool.add` into every pool, the tokens packed once for all of them.
+    All pools must use the same key lengths."""
+    if not candidate:
+        return
+    longest = min(pools[0].max_key_len, len(context))
+    suffix, packed, code = _packed(context[len(context) - longest :]), _packed(candidate), _ORIGIN_CODE[origin]
+    for pool in pools:
+        pool._file(suffix, longest, packed, code)
+
+
+def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int | None = None) -> Match | None:
+    """A candidate under the longest suffix of ``context`` any pool holds one under.
+    A candidate found in a pool after the first is reported as :attr:`Origin.SHARED`.
+    All pools must use the same key lengths and ranking.
+
+    Ranked by ``recency`` (the first pool's ``rank``): the most recently used
+    candidate of the first pool that has one (a request's own pool before the
+    shared one). By ``votes``: the candidate whose first token the most
+    candidates under the key begin with, counted over all pools (a text the
+    request's own pool and the shared one both hold counts twice, so the own text
+    weighs more), ``guess`` (the next token the fallbacks would draft, the prior
+    table's) casting :data:`GUESS_VOTES` more; ties go as by recency. Where a key's
+    candidates disagree, the majority is right more often than the newest: tau
+    2.268 -> 2.316 on the MT-Bench replay (docs/results/draft-sources.md "Candidate ranking, replayed")."""
+    first = pools[0]
+    longest = min(first.max_key_len, len(context))
+    suffix = _packed(context[len(context) - longest :])
+    for key_len in range(longest, first.min_key_len - 1, -1):
+        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
+        chosen = _voted(pools, key, guess) if first.rank == "votes" else _newest_held(pools, key)
+        if chosen is not None:
+            index, pool, entries, candidate = chosen
+            found, origin = pool._take(key, entries, candidate)
+            return Match(found, origin if index == 0 else Origin.SHARED, key_len)
+    return None
+
+
+_Choice = tuple[int, NgramPool, dict[bytes, int], bytes]
+"""A lookup's pick under one key: the pool's index and the pool, the key's entries there,
+the packed candidate."""
+
+
+def _newest_held(pools: Sequence[NgramPool], key: bytes) -> _Choice | None:
+    """:func:`match_pools`'s ``recency`` pick under exactly ``key``."""
+    for index, pool in enumerate(pools):
+        entries = pool._table.get(key)
+        if entries:
+            return index, pool, entries, next(reversed(entries))
+    return None
+
+
+def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> _Choice | None:
+    """:func:`match_pools`'s ``votes`` pick under exactly ``key``: compares packed first
+    tokens (4 bytes), no unpacking."""
+    held = [(index, pool, entries) for index, pool in enumerate(pools) if (entries := pool._table.get(key))]
+    votes: dict[bytes, int] = {} if guess is None else {_packed((guess,)): GUESS_VOTES}
+    for _, _, entries in held:
+        for candidate in entries:
+            votes[candidate[:_TOKEN_BYTES]] = votes.get(candidate[:_TOKEN_BYTES], 0) + 1
+    best, best_votes = None, -1
+    for index, pool, entries in held:
+        for candidate in reversed(entries):
+            count = votes[candidate[:_TOKEN_BYTES]]
+            if count > best_votes:
+                best, best_votes = (index, pool, entries, candidate), count
+    return best
+
+
+def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:
+    """Every candidate of every pool under the suffixes of ``context``, longest key
+    first, then pool order, then most recently used first; each once."""
+    seen: set[Candidate] = set()
+    first = pools[0]
+    longest = min(first.max_key_len, len(context))
+    suffix = _packed(context[len(context) - longest :])
+    for key_len in range(longest, first.min_key_len - 1, -1):
+        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
+        for pool in pools:
+            for candidate in pool._entries(key):
+                if candidate not in seen:
+                    seen.add(candidate)
+                    yield candidate

@@ -1,0 +1,207 @@
+"""The native pool (numba kernels) against the Python reference pool, driven alike.
+
+Random streams over small vocabularies (so keys collide, keys and candidates get
+evicted, votes tie) and a real prompt set's token streams; every answer, every
+key's candidates in recency order and every pool's keys in order must be the
+reference's, for every setting the methods use.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import tests.reference_pool as reference
+from vllm_fafo.config import FafoConfig
+from vllm_fafo.drafting import pool as native
+from vllm_fafo.drafting.index import DraftIndex
+from vllm_fafo.drafting.pool_kernels import file_and_draft
+
+SETTINGS = {
+    "fafo": dict(max_key_len=4, capacity=8, min_key_len=1, touch_on_lookup=True, rank="votes"),
+    "fafo-recency": dict(max_key_len=3, capacity=2, min_key_len=1, touch_on_lookup=True, rank="recency"),
+    "lookahead": dict(max_key_len=1, capacity=3, min_key_len=1, touch_on_lookup=False, rank="recency"),
+    "cacheback": dict(max_key_len=2, capacity=2, min_key_len=2, touch_on_lookup=False, rank="recency"),
+}
+
+
+def _pair(setting: dict, max_keys: tuple[int, int], arena: native.PoolArena | None):
+    refs = tuple(reference.NgramPool(**setting, max_keys=keys) for keys in max_keys)
+    pools = tuple(native.NgramPool(**setting, max_keys=keys, arena=arena) for keys in max_keys)
+    return refs, pools
+
+
+def _same_state(refs, pools, contexts):
+    for ref, pool in zip(refs, pools):
+        assert pool.keys() == ref.keys()
+        assert len(pool) == len(ref) and pool.num_entries() == ref.num_entries()
+        for context in contexts:
+            for key_len in range(1, len(context) + 1):
+                assert pool.candidates(context[-key_len:]) == ref.candidates(context[-key_len:])
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("shared_arena", [False, True])
+def test_random_streams_match_the_reference(name, shared_arena):
+    setting = SETTINGS[name]
+    rng = random.Random(7)
+    arena = native.PoolArena(**{k: v for k, v in setting.items() if k != "capacity"},
+                             capacity=setting["capacity"], candidate_len=2) if shared_arena else None
+    # own pool unbounded (or Cacheback's leader cap), shared pool bounded in keys
+    refs, pools = _pair(setting, (6 if name == "cacheback" else 0, 12), arena)
+    contexts = []
+    for step in range(3000):
+        context = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        contexts.append(context)
+        if rng.random() < 0.6:
+            candidate = tuple(rng.randrange(6) for _ in range(rng.randrange(1, 5)))  # longer than the arena's 2
+            origin = rng.choice(list(native.Origin))
+            which = rng.randrange(3)  # own, shared, both
+            targets = [(refs[0], pools[0]), (refs[1], pools[1])] if which == 2 else [(refs[which], pools[which])]
+            for ref, pool in targets:
+                ref.add(context, candidate, reference.Origin(origin.value))
+                pool.add(context, candidate, origin)
+        else:
+            guess = rng.choice([None, rng.randrange(6)])
+            count = rng.randrange(1, 3)
+            want = reference.match_pools(refs[:count], context, guess)
+            have = native.match_pools(pools[:count], context, guess)
+            assert (have is None) == (want is None), step
+            if want is not None:
+                assert (have.candidate, have.origin.value, have.key_len) == (
+                    want.candidate, want.origin.value, want.key_len), step
+            assert list(native.alternatives_in(pools, context)) == list(reference.alternatives_in(refs, context))
+        if step % 500 == 0:
+            _same_state(refs, pools, contexts[-50:])
+    _same_state(refs, pools, contexts[-200:])
+
+
+def test_pools_of_one_arena_are_isolated_and_freed():
+    arena = native.PoolArena(3, 4)
+    a, b = native.NgramPool(3, 4, arena=arena), native.NgramPool(3, 4, arena=arena)
+    a.add([1, 2, 3], (4,), native.Origin.PROMPT)
+    assert b.match([1, 2, 3]) is None and a.match([1, 2, 3]).candidate == (4,)
+    assert arena.num_live_keys == 3
+    owner = b.owner
+    del a
+    assert arena.num_live_keys == 0  # the handle went: its keys with it
+    c = native.NgramPool(3, 4, arena=arena)
+    assert c.owner != owner and c.match([1, 2, 3]) is None  # a reused id starts empty
+
+
+def test_memory_is_bounded_over_ten_thousand_requests():
+    """Requests come and go through one arena: what it allocates stays what the most
+    requests alive at once need, not what all of them filed."""
+    rng = np.random.default_rng(0)
+    arena = native.PoolArena(4, 8, rank="votes", candidate_len=4)
+    shared = native.NgramPool(4, 8, max_keys=2000, rank="votes", arena=arena)
+    live: list[native.NgramPool] = []
+    sizes = []
+    for request in range(10_000):
+        pool = native.NgramPool(4, 8, rank="votes", arena=arena)
+        text = rng.integers(0, 50_000, size=40).tolist()
+        for end in range(1, 36):
+            native.add_to_pools((pool, shared), text[max(0, end - 4) : end], tuple(text[end : end + 4]),
+                                native.Origin.OUTPUT)
+        live.append(pool)
+        if len(live) > 8:
+            live.pop(0)
+        if request in (999, 9_999):
+            sizes.append(arena.nbytes())
+    assert len(shared) == 2000
+    assert arena.num_live_keys <= 2000 + 9 * 35 * 4
+    assert sizes[1] == sizes[0]  # nothing grew between request 1,000 and 10,000
+
+
+def _reference_step(refs, prior, history, num_tokens, prompt_len, next_anchor, ngram_len, room):
+    """The Python proposer's filing and chained draft for one request (its functions,
+    on the reference pools)."""
+    max_key = refs[0].max_key_len
+    for anchor in range(next_anchor, num_tokens - ngram_len):
+        end = anchor + 1
+        origin = reference.Origin.PROMPT if anchor + ngram_len < prompt_len else reference.Origin.OUTPUT
+        reference.add_to_pools(refs, history[max(0, end - max_key) : end], tuple(history[end : end + ngram_len]),
+                               origin)
+    context = history[max(0, num_tokens - max_key) : num_tokens]
+    draft, origins, first_key = [], [], 0
+    while len(draft) < room:
+        token = context[-1]
+        guess = tuple(prior[token][prior[token] >= 0].tolist())
+        found = reference.match_pools(refs, context, guess[0] if guess else None)
+        if found is None and not guess:
+            break
+        candidate, origin, key_len = found if found is not None else (guess, reference.Origin.PRIOR, 0)
+        if not draft:
+            first_key = key_len
+        piece = list(candidate[: room - len(draft)])
+        draft += piece
+        origins += [native.ORIGIN_CODE[native.Origin(origin.value)]] * len(piece)
+        context = (context + piece)[-max_key:]
+    return draft, origins, first_key
+
+
+def test_the_step_kernel_files_and_drafts_as_the_python_proposer():
+    """:func:`file_and_draft` over a batch of requests sharing a tenant pool, step after
+    step, against the Python proposer's filing and chaining on the reference pools."""
+    rng = np.random.default_rng(3)
+    setting = SETTINGS["fafo"]
+    arena = native.PoolArena(4, 8, rank="votes", candidate_len=4)
+    prior = rng.integers(-1, 30, size=(30, 2)).astype(np.int32)
+    prior[:, 0] = np.abs(prior[:, 0])
+    prior[rng.random(30) < 0.3] = -1  # tokens the table has nothing for
+    prior_lens = np.where((prior < 0).any(axis=1), (prior < 0).argmax(axis=1), 2).astype(np.int32)
+    shared_ref = reference.NgramPool(**setting, max_keys=60)
+    shared = native.NgramPool(**setting, max_keys=60, arena=arena)
+    batch, length, room, ngram_len = 5, 300, 6, 4
+    texts = rng.integers(0, 30, size=(batch, length)).astype(np.int32)
+    refs = [(reference.NgramPool(**setting), shared_ref) for _ in range(batch)]
+    pools = [native.NgramPool(**setting, arena=arena) for _ in range(batch)]
+    prompt_lens = np.full(batch, 20, dtype=np.int64)
+    num_tokens = prompt_lens.copy()
+    anchors = np.zeros(batch, dtype=np.int64)
+    ref_anchors = [0] * batch
+    empty_frozen = native.PoolArena(1, 1)
+    for _ in range(40):
+        num_tokens += rng.integers(1, 5, size=batch)
+        want = []
+        for i in range(batch):
+            want.append(_reference_step(refs[i], prior, texts[i].tolist(), int(num_tokens[i]), int(prompt_lens[i]),
+                                        ref_anchors[i], ngram_len, room))
+            ref_anchors[i] = max(ref_anchors[i], int(num_tokens[i]) - ngram_len)
+        arena.reserve(int(((num_tokens - ngram_len - anchors).clip(0) * 4 * 2).sum()), ngram_len)
+        drafts = np.zeros((batch, room), dtype=np.int32)
+        origins = np.zeros((batch, room), dtype=np.int32)
+        lens, key_lens = np.zeros(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+        file_and_draft(arena.state, empty_frozen.state, -1, prior, prior_lens, texts, np.arange(batch),
+                       num_tokens, prompt_lens, anchors, np.array([p.owner for p in pools]),
+                       np.full(batch, shared.owner), np.full(batch, room), ngram_len, True,
+                       np.zeros((batch, 1), dtype=np.int32), np.zeros(batch, dtype=np.int64), drafts, origins,
+                       lens, key_lens, arena.scratch, np.zeros(4 + room + 8, dtype=np.int32))
+        for i in range(batch):
+            draft, draft_origins, first_key = want[i]
+            assert drafts[i, : lens[i]].tolist() == draft
+            assert origins[i, : lens[i]].tolist() == draft_origins
+            assert key_lens[i] == first_key
+        assert anchors.tolist() == ref_anchors
+
+
+def index_for(prior=None, **settings) -> DraftIndex:
+    """A draft index over pools alone (no deep matches, no sharing) unless ``settings`` say."""
+    return DraftIndex(FafoConfig(**{"deep_match": False, "share_pool": False, "prior_table": "off", **settings}),
+                      prior=prior)
+
+
+def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_anchor: int = 0, room: int = 0,
+                       req_id: str = "r") -> tuple[list[int], list[native.Origin], int]:
+    """:meth:`DraftIndex.draft_batch` for one request whose text is ``history``: files from
+    ``next_anchor`` on (``len(history)``: nothing) and drafts up to ``room`` tokens; returns the
+    draft, its origins and the context length it matched."""
+    history = np.asarray([history], dtype=np.int32)
+    n = history.shape[1]
+    found = index.draft_batch([req_id], [pools], history, np.array([0]), np.array([n]), np.array([prompt_len]),
+                              np.array([next_anchor]), np.array([room]))
+    length = int(found.lengths[0])
+    return (found.tokens[0, :length].tolist(), [native.ORIGINS[c] for c in found.origins[0, :length].tolist()],
+            int(found.key_lens[0]))

@@ -1,0 +1,145 @@
+"""The draft index: every place a draft comes from, filed and drafted batch-wide.
+
+One object per engine holds what drafts are made of: the requests' own pools
+and their tenants' shared pools (one :class:`~vllm_fafo.drafting.pool.PoolArena`),
+the deep matches' texts (:class:`~vllm_fafo.drafting.deep_match.TenantTexts`),
+Cacheback's frozen table and the prior table. Once per step
+:meth:`DraftIndex.draft_batch` files the n-grams every decoding request
+completed and drafts for all of them, in one numba call
+(:func:`~vllm_fafo.drafting.pool_kernels.file_and_draft`) after the deep
+matches; the proposer and the pool replay (benchmarks/replay_pool.py) both
+draft through it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from vllm_fafo.config import FafoConfig
+from vllm_fafo.drafting.deep_match import TenantTexts
+from vllm_fafo.drafting.pool import NgramPool, PoolArena
+from vllm_fafo.drafting.pool_kernels import file_and_draft
+from vllm_fafo.drafting.prior_table import PriorTable
+from vllm_fafo.drafting.shared_pool import TenantPools
+
+
+class BatchDrafts(NamedTuple):
+    """One step's drafts, row ``i`` for the ``i``-th request asked for."""
+
+    tokens: np.ndarray
+    """int32 (requests, longest room): the drafts, ``lengths[i]`` tokens each."""
+    origins: np.ndarray
+    """Each token's :class:`~vllm_fafo.drafting.pool.Origin` code."""
+    lengths: np.ndarray
+    key_lens: np.ndarray
+    """The length of the context each draft matched (its first piece's key, the deep
+    match's depth, 0 for the prior table's): the goodput controller's evidence."""
+
+
+def tenant_texts(config: FafoConfig) -> TenantTexts | None:
+    """The texts deep matches are drafted from, one cache per tenant (None: the modes,
+    which draft from their pools alone)."""
+    if not config.deep_match:
+        return None
+    # deep matches no deeper than the pool's keys are the pool's: its candidates (lanes' n-grams
+    # included) did as well there in replay (benchmarks/replay_pool.py)
+    return TenantTexts(config.cached_answers if config.share_pool else 0, config.shared_pool_tenants,
+                       config.max_key_len + 1)
+
+
+def first_anchor(config: FafoConfig, prompt_len: int) -> int:
+    """The first history position whose following n-gram a new request files: the
+    prompt's start, or (prompt not seeded) the last n-gram that reaches the output."""
+    return 0 if config.seed_from_prompt else max(0, prompt_len - config.ngram_len)
+
+
+class DraftIndex:
+    """Where every request's drafts come from (:mod:`vllm_fafo.drafting.index`).
+
+    ``frozen``: Cacheback's table (a read-only pool, its own arena); ``prior``: the
+    prior table; each drafted from where the pools miss, in that order."""
+
+    def __init__(self, config: FafoConfig, *, frozen: NgramPool | None = None,
+                 prior: PriorTable | None = None) -> None:
+        self.config = config
+        self.arena = PoolArena(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
+                               touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates,
+                               candidate_len=max(config.ngram_len, config.lane_len))
+        self.shared = None if not config.share_pool else TenantPools(
+            self.arena, max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants)
+        self.texts = tenant_texts(config)
+        self.frozen = frozen
+        self._frozen_state = (frozen.arena if frozen is not None else PoolArena(1, 1)).state
+        rows = np.zeros((0, 1), dtype=np.int32) if prior is None else prior.rows
+        self._prior = np.ascontiguousarray(rows, dtype=np.int32)
+        self._prior_lens = np.zeros(0, dtype=np.int32) if prior is None else prior.lengths.astype(np.int32)
+        self._scratch = self.arena.scratch
+        if frozen is not None and frozen.capacity > self.arena.capacity:
+            self._scratch = frozen.arena.scratch
+
+    def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
+        """A new request's pools (its own, then its tenant's shared one); its prompt is
+        the first text deep matches look in."""
+        arena = self.arena
+        own = NgramPool(arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len,
+                        max_keys=self.config.max_keys, touch_on_lookup=arena.touch_on_lookup, rank=arena.rank,
+                        arena=arena)
+        if self.texts is not None:
+            self.texts.start(req_id, tenant, prompt)
+        return (own,) if self.shared is None else (own, self.shared.pool_for(tenant))
+
+    def stop(self, req_id: str) -> None:
+        """A request finished: its answer stays for deep matches of later requests."""
+        if self.texts is not None:
+            self.texts.stop(req_id)
+
+    def draft_batch(self, req_ids: list[str], pools: list[tuple[NgramPool, ...]], history: np.ndarray,
+                    rows: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
+                    rooms: np.ndarray) -> BatchDrafts:
+        """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
+        since ``next_anchors[i]`` (advanced in place) and draft up to ``rooms[i]`` tokens:
+        the deep match of its text's end, chained on from its pools, else its pools'
+        chain, where they miss the frozen table, then the prior table."""
+        config = self.config
+        count = len(req_ids)
+        width = max(1, int(rooms.max(initial=0)))
+        prefix = np.zeros((count, width), dtype=np.int32)
+        prefix_lens = np.zeros(count, dtype=np.int64)
+        deep_lens = np.zeros(count, dtype=np.int64)
+        if self.texts is not None:
+            for i, (req_id, row, tokens, room) in enumerate(zip(req_ids, rows.tolist(), num_tokens.tolist(),
+                                                                 rooms.tolist())):
+                draft, depth = self.texts.draft(req_id, history[row], tokens, room)
+                prefix[i, : len(draft)] = draft
+                prefix_lens[i], deep_lens[i] = len(draft), depth
+        own = np.fromiter((request[0].owner for request in pools), dtype=np.int64, count=count)
+        shared = np.fromiter((request[1].owner if len(request) > 1 else -1 for request in pools), dtype=np.int64,
+                             count=count)
+        ngram_len = config.ngram_len
+        stops = num_tokens - ngram_len
+        if not config.seed_from_output:
+            stops = np.minimum(stops, prompt_lens - ngram_len)
+        new_keys = int(np.maximum(stops - next_anchors, 0).sum()) * (config.max_key_len - config.min_key_len + 1)
+        self.arena.reserve(new_keys * (1 if self.shared is None else 2), ngram_len)
+        tokens = np.zeros((count, width), dtype=np.int32)
+        origins = np.zeros((count, width), dtype=np.int32)
+        lengths = np.zeros(count, dtype=np.int64)
+        key_lens = np.zeros(count, dtype=np.int64)
+        context = np.zeros(config.max_key_len + 2 * width + self.arena.candidate_len, dtype=np.int32)
+        file_and_draft(self.arena.state, self._frozen_state, -1 if self.frozen is None else self.frozen.owner,
+                       self._prior, self._prior_lens, history, rows, num_tokens, prompt_lens, next_anchors, own,
+                       shared, rooms, ngram_len, config.seed_from_output, prefix, prefix_lens, tokens, origins,
+                       lengths, key_lens, self._scratch, context)
+        key_lens = np.where(prefix_lens > 0, deep_lens, key_lens)
+        if self.shared is not None:
+            self.shared.trim()
+        return BatchDrafts(tokens, origins, lengths, key_lens)
+
+    def forget_shared(self) -> None:
+        """Empty every tenant's shared pool and the answers kept for deep matches."""
+        if self.shared is not None:
+            self.shared.clear()
+        if self.texts is not None:
+            self.texts.clear()

@@ -1,0 +1,485 @@
+"""numba kernels of the n-gram pools (:mod:`vllm_fafo.drafting.pool`).
+
+Every pool of an engine lives in one arena of preallocated numpy arrays (a
+:class:`~vllm_fafo.drafting.pool.PoolArena`), told apart by an owner id: a
+request's own pool, a tenant's shared pool. A key is a slot found through an
+open-addressing table hashed on (owner, key tokens); a slot's candidates are
+entries on a singly linked list, ordered by recency stamps (one counter per
+arena, raised on every use), and an owner's keys are on a doubly linked list
+in the order an ``OrderedDict`` would keep them. Kernels never allocate: the
+arena reserves room before each call (:meth:`PoolArena.reserve`), as vLLM's
+``ngram`` kernel writes into preallocated outputs.
+
+The state a kernel takes is :attr:`PoolArena.state`, a tuple in the order of
+the ``ST_*`` indices below. The semantics are the Python pool's (tests hold
+them against ``tests/reference_pool.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# cfg: the arena's settings
+CFG_MIN_KEY, CFG_MAX_KEY, CFG_CAPACITY, CFG_TOUCH, CFG_VOTES = range(5)
+# counters
+CNT_STAMP, CNT_SLOT_FREE, CNT_ENTRY_FREE, CNT_TABLE_USED, CNT_LIVE_SLOTS = range(5)
+NUM_COUNTERS = 5
+(ST_CFG, ST_COUNTERS, ST_TABLE, ST_S_OWNER, ST_S_KLEN, ST_S_KEY, ST_S_HEAD, ST_S_COUNT, ST_S_PREV, ST_S_NEXT,
+ ST_S_TPOS, ST_E_TOK, ST_E_LEN, ST_E_ORIGIN, ST_E_STAMP, ST_E_NEXT, ST_O_HEAD, ST_O_TAIL, ST_O_KEYS, ST_O_MAX_KEYS,
+ ST_S_FREE, ST_E_FREE) = range(22)
+
+EMPTY = 0
+TOMBSTONE = -1
+GUESS_VOTES = 2
+"""Votes the fallbacks' guess of the next token casts (see vllm_fafo.drafting.pool)."""
+ORIGIN_SHARED = 4
+""":attr:`Origin.SHARED`'s code (checked in vllm_fafo.drafting.pool)."""
+ORIGIN_DEEP_MATCH = 5
+ORIGIN_PRIOR = 7
+ORIGIN_PROMPT = 0
+ORIGIN_OUTPUT = 1
+
+
+@njit(cache=True, inline="always")
+def _hash(owner, tokens, start, length):
+    h = np.int64(owner) * np.int64(0x9E3779B1) + np.int64(length)
+    for i in range(start, start + length):
+        h = (h ^ np.int64(tokens[i])) * np.int64(0x100000001B3)
+    return h ^ (h >> np.int64(31))
+
+
+@njit(cache=True)
+def find_slot(st, owner, tokens, start, length):
+    """The slot of ``owner``'s key ``tokens[start:start+length]``, -1 where it has none."""
+    table, s_owner, s_klen, s_key = st[ST_TABLE], st[ST_S_OWNER], st[ST_S_KLEN], st[ST_S_KEY]
+    mask = len(table) - 1
+    i = _hash(owner, tokens, start, length) & mask
+    while True:
+        v = table[i]
+        if v == EMPTY:
+            return -1
+        if v > 0:
+            s = v - 1
+            if s_owner[s] == owner and s_klen[s] == length:
+                same = True
+                for j in range(length):
+                    if s_key[s, j] != tokens[start + j]:
+                        same = False
+                        break
+                if same:
+                    return s
+        i = (i + 1) & mask
+
+
+@njit(cache=True)
+def _insert_table(st, s, owner, tokens, start, length):
+    table = st[ST_TABLE]
+    mask = len(table) - 1
+    i = _hash(owner, tokens, start, length) & mask
+    while table[i] > 0:
+        i = (i + 1) & mask
+    if table[i] == EMPTY:
+        st[ST_COUNTERS][CNT_TABLE_USED] += 1
+    table[i] = s + 1
+    st[ST_S_TPOS][s] = i
+
+
+@njit(cache=True)
+def _unlink_key(st, s):
+    owner = st[ST_S_OWNER][s]
+    prev, nxt = st[ST_S_PREV][s], st[ST_S_NEXT][s]
+    if prev >= 0:
+        st[ST_S_NEXT][prev] = nxt
+    else:
+        st[ST_O_HEAD][owner] = nxt
+    if nxt >= 0:
+        st[ST_S_PREV][nxt] = prev
+    else:
+        st[ST_O_TAIL][owner] = prev
+
+
+@njit(cache=True)
+def _append_key(st, s, owner):
+    tail = st[ST_O_TAIL][owner]
+    st[ST_S_PREV][s] = tail
+    st[ST_S_NEXT][s] = -1
+    if tail >= 0:
+        st[ST_S_NEXT][tail] = s
+    else:
+        st[ST_O_HEAD][owner] = s
+    st[ST_O_TAIL][owner] = s
+
+
+@njit(cache=True)
+def refresh_key(st, s):
+    """Move a key to its owner's most recently used end, where the owner bounds its keys."""
+    owner = st[ST_S_OWNER][s]
+    if st[ST_O_MAX_KEYS][owner] > 0 and st[ST_O_TAIL][owner] != s:
+        _unlink_key(st, s)
+        _append_key(st, s, owner)
+
+
+@njit(cache=True)
+def remove_slot(st, s):
+    """Drop a key and its candidates."""
+    counters = st[ST_COUNTERS]
+    e = st[ST_S_HEAD][s]
+    e_next, e_free = st[ST_E_NEXT], st[ST_E_FREE]
+    while e >= 0:
+        nxt = e_next[e]
+        e_free[counters[CNT_ENTRY_FREE]] = e
+        counters[CNT_ENTRY_FREE] += 1
+        e = nxt
+    st[ST_TABLE][st[ST_S_TPOS][s]] = TOMBSTONE
+    _unlink_key(st, s)
+    st[ST_O_KEYS][st[ST_S_OWNER][s]] -= 1
+    st[ST_S_OWNER][s] = -1
+    st[ST_S_HEAD][s] = -1
+    st[ST_S_COUNT][s] = 0
+    st[ST_S_FREE][counters[CNT_SLOT_FREE]] = s
+    counters[CNT_SLOT_FREE] += 1
+    counters[CNT_LIVE_SLOTS] -= 1
+
+
+@njit(cache=True)
+def clear_owner(st, owner):
+    """Drop every key of ``owner``."""
+    s = st[ST_O_HEAD][owner]
+    while s >= 0:
+        nxt = st[ST_S_NEXT][s]
+        remove_slot(st, s)
+        s = nxt
+
+
+@njit(cache=True)
+def rehash(st):
+    """Rebuild the table from the live slots (drops tombstones; the table may be new)."""
+    table = st[ST_TABLE]
+    table[:] = EMPTY
+    st[ST_COUNTERS][CNT_TABLE_USED] = 0
+    s_owner, s_klen, s_key = st[ST_S_OWNER], st[ST_S_KLEN], st[ST_S_KEY]
+    for s in range(len(s_owner)):
+        if s_owner[s] >= 0:
+            _insert_table(st, s, s_owner[s], s_key[s], 0, s_klen[s])
+
+
+@njit(cache=True)
+def _same_entry(st, e, cand, c0, n):
+    if st[ST_E_LEN][e] != n:
+        return False
+    e_tok = st[ST_E_TOK]
+    for j in range(n):
+        if e_tok[e, j] != cand[c0 + j]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _file_under(st, s, cand, c0, n, origin):
+    """File a candidate under slot ``s``: refresh it if held, else add it (evicting the
+    least recently used candidate where the key is full)."""
+    counters = st[ST_COUNTERS]
+    counters[CNT_STAMP] += 1
+    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
+    e = st[ST_S_HEAD][s]
+    oldest, oldest_stamp = -1, np.int64(0)
+    while e >= 0:
+        if _same_entry(st, e, cand, c0, n):
+            e_stamp[e] = counters[CNT_STAMP]
+            st[ST_E_ORIGIN][e] = origin
+            return
+        if oldest < 0 or e_stamp[e] < oldest_stamp:
+            oldest, oldest_stamp = e, e_stamp[e]
+        e = e_next[e]
+    if st[ST_S_COUNT][s] >= st[ST_CFG][CFG_CAPACITY]:
+        e = oldest
+    else:
+        counters[CNT_ENTRY_FREE] -= 1
+        e = st[ST_E_FREE][counters[CNT_ENTRY_FREE]]
+        e_next[e] = st[ST_S_HEAD][s]
+        st[ST_S_HEAD][s] = e
+        st[ST_S_COUNT][s] += 1
+    e_tok = st[ST_E_TOK]
+    for j in range(n):
+        e_tok[e, j] = cand[c0 + j]
+    st[ST_E_LEN][e] = n
+    st[ST_E_ORIGIN][e] = origin
+    e_stamp[e] = counters[CNT_STAMP]
+
+
+@njit(cache=True)
+def file_candidate(st, owner, ctx, k0, k1, cand, c0, c1, origin):
+    """File ``cand[c0:c1]`` under every suffix of ``ctx[k0:k1]`` of the arena's key
+    lengths (the Python pool's ``add``)."""
+    n = c1 - c0
+    if n <= 0:
+        return
+    cfg, counters = st[ST_CFG], st[ST_COUNTERS]
+    longest = min(cfg[CFG_MAX_KEY], k1 - k0)
+    max_keys = st[ST_O_MAX_KEYS][owner]
+    for key_len in range(cfg[CFG_MIN_KEY], longest + 1):
+        start = k1 - key_len
+        s = find_slot(st, owner, ctx, start, key_len)
+        if s < 0:
+            counters[CNT_SLOT_FREE] -= 1
+            s = st[ST_S_FREE][counters[CNT_SLOT_FREE]]
+            counters[CNT_LIVE_SLOTS] += 1
+            st[ST_S_OWNER][s] = owner
+            st[ST_S_KLEN][s] = key_len
+            for j in range(key_len):
+                st[ST_S_KEY][s, j] = ctx[start + j]
+            st[ST_S_HEAD][s] = -1
+            st[ST_S_COUNT][s] = 0
+            _insert_table(st, s, owner, ctx, start, key_len)
+            _append_key(st, s, owner)
+            st[ST_O_KEYS][owner] += 1
+            _file_under(st, s, cand, c0, n, origin)
+            if max_keys > 0 and st[ST_O_KEYS][owner] > max_keys:
+                remove_slot(st, st[ST_O_HEAD][owner])
+            continue
+        refresh_key(st, s)
+        _file_under(st, s, cand, c0, n, origin)
+
+
+@njit(cache=True)
+def _newest(st, s):
+    """The most recently used entry of slot ``s``."""
+    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
+    best, e = -1, st[ST_S_HEAD][s]
+    while e >= 0:
+        if best < 0 or e_stamp[e] > e_stamp[best]:
+            best = e
+        e = e_next[e]
+    return best
+
+
+@njit(cache=True)
+def _by_recency(st, s, out):
+    """Slot ``s``'s entries into ``out``, most recently used first; returns how many."""
+    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
+    n, e = 0, st[ST_S_HEAD][s]
+    while e >= 0:
+        i = n
+        while i > 0 and e_stamp[out[i - 1]] < e_stamp[e]:
+            out[i] = out[i - 1]
+            i -= 1
+        out[i] = e
+        n += 1
+        e = e_next[e]
+    return n
+
+
+@njit(cache=True)
+def _votes(st, s, firsts, counts, num):
+    """Count the first tokens of slot ``s``'s candidates into (firsts, counts)[:num]."""
+    e, e_tok, e_next = st[ST_S_HEAD][s], st[ST_E_TOK], st[ST_E_NEXT]
+    while e >= 0:
+        first = e_tok[e, 0]
+        k = 0
+        while k < num and firsts[k] != first:
+            k += 1
+        if k == num:
+            firsts[num] = first
+            counts[num] = 0
+            num += 1
+        counts[k] += 1
+        e = e_next[e]
+    return num
+
+
+@njit(cache=True)
+def _count_of(firsts, counts, num, token):
+    for k in range(num):
+        if firsts[k] == token:
+            return counts[k]
+    return 0
+
+
+@njit(cache=True)
+def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
+    """The Python pool's ``match_pools`` over pool A (``own_a`` in ``st_a``) and, where
+    ``own_b`` >= 0, pool B: returns (pool index, entry, key length), (-1, -1, 0) where
+    neither holds a candidate under any suffix of ``ctx[k0:k1]``. The chosen key and
+    candidate are refreshed as their pool's settings say. ``guess`` < 0: none.
+    ``scratch``: int64 room for 4 x (both pools' capacity + 1)."""
+    cfg = st_a[ST_CFG]
+    longest = min(cfg[CFG_MAX_KEY], k1 - k0)
+    votes = cfg[CFG_VOTES] != 0
+    cap = (len(scratch) // 4)
+    order, firsts, counts = scratch[:cap], scratch[cap : 2 * cap], scratch[2 * cap : 3 * cap]
+    for key_len in range(longest, cfg[CFG_MIN_KEY] - 1, -1):
+        start = k1 - key_len
+        sa = find_slot(st_a, own_a, ctx, start, key_len)
+        sb = find_slot(st_b, own_b, ctx, start, key_len) if own_b >= 0 else -1
+        if sa >= 0 and st_a[ST_S_HEAD][sa] < 0:
+            sa = -1
+        if sb >= 0 and st_b[ST_S_HEAD][sb] < 0:
+            sb = -1
+        if sa < 0 and sb < 0:
+            continue
+        which, best = -1, -1
+        if not votes:
+            if sa >= 0:
+                which, best = 0, _newest(st_a, sa)
+            else:
+                which, best = 1, _newest(st_b, sb)
+        else:
+            num = 0
+            if guess >= 0:
+                firsts[0], counts[0], num = guess, GUESS_VOTES, 1
+            if sa >= 0:
+                num = _votes(st_a, sa, firsts, counts, num)
+            if sb >= 0:
+                num = _votes(st_b, sb, firsts, counts, num)
+            best_votes = -1
+            if sa >= 0:
+                for i in range(_by_recency(st_a, sa, order)):
+                    c = _count_of(firsts, counts, num, st_a[ST_E_TOK][order[i], 0])
+                    if c > best_votes:
+                        which, best, best_votes = 0, order[i], c
+            if sb >= 0:
+                for i in range(_by_recency(st_b, sb, order)):
+                    c = _count_of(firsts, counts, num, st_b[ST_E_TOK][order[i], 0])
+                    if c > best_votes:
+                        which, best, best_votes = 1, order[i], c
+        st = st_a if which == 0 else st_b
+        refresh_key(st, sa if which == 0 else sb)
+        if st[ST_CFG][CFG_TOUCH] != 0:
+            st[ST_COUNTERS][CNT_STAMP] += 1
+            st[ST_E_STAMP][best] = st[ST_COUNTERS][CNT_STAMP]
+        return which, best, key_len
+    return -1, -1, 0
+
+
+@njit(cache=True)
+def slot_entries(st, owner, ctx, k0, k1, out):
+    """The entries under exactly the key ``ctx[k0:k1]``, most recently used first, into
+    ``out``; returns how many (0 where the key is not held)."""
+    s = find_slot(st, owner, ctx, k0, k1 - k0)
+    return 0 if s < 0 else _by_recency(st, s, out)
+
+
+@njit(cache=True)
+def owner_slots(st, owner, out):
+    """``owner``'s keys in their order (least recently used first) into ``out``; returns
+    how many."""
+    n, s = 0, st[ST_O_HEAD][owner]
+    while s >= 0:
+        out[n] = s
+        n += 1
+        s = st[ST_S_NEXT][s]
+    return n
+
+
+@njit(cache=True)
+def owner_entries(st, owner):
+    """Candidates held under all of ``owner``'s keys."""
+    total, s = 0, st[ST_O_HEAD][owner]
+    while s >= 0:
+        total += st[ST_S_COUNT][s]
+        s = st[ST_S_NEXT][s]
+    return total
+
+
+@njit(cache=True)
+def _prior_piece(prior, prior_lens, token):
+    if token < 0 or token >= len(prior_lens):
+        return 0
+    return prior_lens[token]
+
+
+@njit(cache=True)
+def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, history, rows, num_tokens, prompt_lens,
+                   next_anchors, own, shared, rooms, ngram_len, seed_from_output, prefix, prefix_lens,
+                   drafts, origins, draft_lens, key_lens, scratch, context):
+    """One step's filing and drafting for every decoding request, in row order (the
+    Python proposer's loop): file the n-grams ``history[row]`` completed since
+    ``next_anchors[i]`` into the request's pool ``own[i]`` and its tenant's ``shared[i]``
+    (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
+    (a deep match) first, then chained candidates of the pools, where they miss
+    Cacheback's frozen table (``frozen_owner`` >= 0), then the prior table
+    (``prior_lens`` non-empty), whose next token votes where the pools rank by votes.
+    Writes ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the first piece's key,
+    0 for the prior table's; the deep match's caller keeps its own) and advances
+    ``next_anchors``. ``context``: int32 room for ``max_key_len`` + the longest room."""
+    max_key = st[ST_CFG][CFG_MAX_KEY]
+    votes = st[ST_CFG][CFG_VOTES] != 0
+    for i in range(len(rows)):
+        hist = history[rows[i]]
+        n_tok = num_tokens[i]
+        # file the completed n-grams (anchors whose n-gram is whole)
+        stop = n_tok - ngram_len
+        if not seed_from_output:
+            stop = min(stop, prompt_lens[i] - ngram_len)
+        for anchor in range(next_anchors[i], stop):
+            end = anchor + 1
+            origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[i] else ORIGIN_OUTPUT
+            k0 = max(0, end - max_key)
+            file_candidate(st, own[i], hist, k0, end, hist, end, end + ngram_len, origin)
+            if shared[i] >= 0:
+                file_candidate(st, shared[i], hist, k0, end, hist, end, end + ngram_len, origin)
+        if stop > next_anchors[i]:
+            next_anchors[i] = stop
+        # draft
+        room = rooms[i]
+        k0 = max(0, n_tok - max_key)
+        n_ctx = n_tok - k0
+        for j in range(n_ctx):
+            context[j] = hist[k0 + j]
+        length = 0
+        for j in range(min(prefix_lens[i], room)):
+            drafts[i, length] = prefix[i, j]
+            origins[i, length] = ORIGIN_DEEP_MATCH
+            context[n_ctx] = prefix[i, j]
+            n_ctx += 1
+            length += 1
+        first_key = 0
+        first = True
+        while length < room:
+            c0 = max(0, n_ctx - max_key)
+            guess_len = 0
+            guess_entry = -1
+            frozen_key = 0
+            if frozen_owner >= 0:
+                which, entry, frozen_key = match_pair(frozen, frozen_owner, frozen, -1, context, c0, n_ctx, -1,
+                                                      scratch)
+                if which >= 0:
+                    guess_entry = entry
+            if guess_entry < 0:
+                guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
+            guess = -1
+            if guess_entry >= 0:
+                guess = frozen[ST_E_TOK][guess_entry, 0]
+            elif guess_len > 0:
+                guess = prior[context[n_ctx - 1], 0]
+            which, entry, key_len = match_pair(st, own[i], st, shared[i], context, c0, n_ctx,
+                                               guess if votes else -1, scratch)
+            if which >= 0:
+                piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]
+                origin = ORIGIN_SHARED if which == 1 else st[ST_E_ORIGIN][entry]
+            elif guess_entry >= 0:
+                piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
+                origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
+            elif guess_len > 0:
+                piece, piece_len = prior[context[n_ctx - 1]], guess_len
+                origin, key_len = ORIGIN_PRIOR, 0
+            else:
+                break
+            if first and prefix_lens[i] == 0:
+                first_key = key_len
+            first = False
+            for j in range(min(piece_len, room - length)):
+                drafts[i, length] = piece[j]
+                origins[i, length] = origin
+                context[n_ctx] = piece[j]
+                n_ctx += 1
+                length += 1
+            # keep the context short: only its last max_key tokens are ever read
+            if n_ctx > max_key:
+                shift = n_ctx - max_key
+                for j in range(max_key):
+                    context[j] = context[shift + j]
+                n_ctx = max_key
+        draft_lens[i] = length
+        key_lens[i] = first_key

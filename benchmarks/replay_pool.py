@@ -65,10 +65,10 @@ import numpy as np
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import GoodputController, StepOutcome
+from vllm_fafo.drafting.index import DraftIndex, first_anchor
 from vllm_fafo.drafting.pool import alternatives_in
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
-from vllm_fafo.drafting.index import DraftIndex, first_anchor
 from vllm_fafo.proposer import key_context, longest_match
 from vllm_fafo.verification.draft_tree import Branch, grow_branches
 

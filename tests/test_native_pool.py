@@ -9,15 +9,17 @@ reference's, for every setting the methods use.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 
+import tests.reference_deep_match as reference_deep_match
 import tests.reference_pool as reference
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.drafting import pool as native
 from vllm_fafo.drafting.index import DraftIndex
-from vllm_fafo.drafting.pool_kernels import file_and_draft
+from vllm_fafo.drafting.prior_table import PriorTable
 
 SETTINGS = {
     "fafo": dict(max_key_len=4, capacity=8, min_key_len=1, touch_on_lookup=True, rank="votes"),
@@ -115,17 +117,20 @@ def test_memory_is_bounded_over_ten_thousand_requests():
     assert sizes[1] == sizes[0]  # nothing grew between request 1,000 and 10,000
 
 
-def _reference_step(refs, prior, history, num_tokens, prompt_len, next_anchor, ngram_len, room):
-    """The Python proposer's filing and chained draft for one request (its functions,
-    on the reference pools)."""
+def _reference_step(refs, texts, req_id, prior, history, num_tokens, prompt_len, next_anchor, ngram_len, room):
+    """The Python proposer's filing and draft for one request (its code, on the reference
+    pools and texts): file the completed n-grams, draft the deep match and chain the pools
+    on after it (else from the text's end), the prior table where they miss."""
     max_key = refs[0].max_key_len
     for anchor in range(next_anchor, num_tokens - ngram_len):
         end = anchor + 1
         origin = reference.Origin.PROMPT if anchor + ngram_len < prompt_len else reference.Origin.OUTPUT
         reference.add_to_pools(refs, history[max(0, end - max_key) : end], tuple(history[end : end + ngram_len]),
                                origin)
-    context = history[max(0, num_tokens - max_key) : num_tokens]
-    draft, origins, first_key = [], [], 0
+    draft, depth = texts.draft(req_id, np.array(history), num_tokens, room)
+    origins = [native.ORIGIN_CODE[native.Origin.DEEP_MATCH]] * len(draft)
+    context = (history[max(0, num_tokens - max_key) : num_tokens] + draft)[-max_key:]
+    first_key = depth
     while len(draft) < room:
         token = context[-1]
         guess = tuple(prior[token][prior[token] >= 0].tolist())
@@ -137,54 +142,92 @@ def _reference_step(refs, prior, history, num_tokens, prompt_len, next_anchor, n
             first_key = key_len
         piece = list(candidate[: room - len(draft)])
         draft += piece
-        origins += [native.ORIGIN_CODE[native.Origin(origin.value)]] * len(piece)
+        code = native.ORIGIN_CODE[native.Origin.SHARED if found is not None and origin is reference.Origin.SHARED
+                                  else native.Origin(origin.value)]
+        origins += [code] * len(piece)
         context = (context + piece)[-max_key:]
     return draft, origins, first_key
 
 
-def test_the_step_kernel_files_and_drafts_as_the_python_proposer():
-    """:func:`file_and_draft` over a batch of requests sharing a tenant pool, step after
-    step, against the Python proposer's filing and chaining on the reference pools."""
+class _ReferenceTenants:
+    """vllm_fafo.drafting.shared_pool.TenantPools over reference pools."""
+
+    def __init__(self, setting: dict, max_keys: int, max_tenants: int) -> None:
+        self.setting, self.max_keys, self.max_tenants = setting, max_keys, max_tenants
+        self.pools: OrderedDict[str, reference.NgramPool] = OrderedDict()
+
+    def pool_for(self, tenant: str) -> reference.NgramPool:
+        if tenant not in self.pools:
+            self.pools[tenant] = reference.NgramPool(**self.setting, max_keys=self.max_keys)
+            self.trim()
+        self.pools.move_to_end(tenant)
+        return self.pools[tenant]
+
+    def trim(self) -> None:
+        while len(self.pools) > 1 and (len(self.pools) > self.max_tenants
+                                       or sum(map(len, self.pools.values())) > self.max_keys):
+            self.pools.popitem(last=False)
+
+
+@pytest.mark.parametrize("cached_answers", [0, 5, 100])
+def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers):
+    """:meth:`DraftIndex.draft_batch` (one kernel call) over a batch of requests of two
+    tenants, coming and going, step after step, against the Python proposer's filing,
+    deep matches and chaining on the reference pools and texts."""
     rng = np.random.default_rng(3)
     setting = SETTINGS["fafo"]
-    arena = native.PoolArena(4, 8, rank="votes", candidate_len=4)
-    prior = rng.integers(-1, 30, size=(30, 2)).astype(np.int32)
+    prior = rng.integers(-1, 12, size=(12, 2)).astype(np.int32)
     prior[:, 0] = np.abs(prior[:, 0])
-    prior[rng.random(30) < 0.3] = -1  # tokens the table has nothing for
-    prior_lens = np.where((prior < 0).any(axis=1), (prior < 0).argmax(axis=1), 2).astype(np.int32)
-    shared_ref = reference.NgramPool(**setting, max_keys=60)
-    shared = native.NgramPool(**setting, max_keys=60, arena=arena)
-    batch, length, room, ngram_len = 5, 300, 6, 4
-    texts = rng.integers(0, 30, size=(batch, length)).astype(np.int32)
-    refs = [(reference.NgramPool(**setting), shared_ref) for _ in range(batch)]
-    pools = [native.NgramPool(**setting, arena=arena) for _ in range(batch)]
-    prompt_lens = np.full(batch, 20, dtype=np.int64)
-    num_tokens = prompt_lens.copy()
-    anchors = np.zeros(batch, dtype=np.int64)
-    ref_anchors = [0] * batch
-    empty_frozen = native.PoolArena(1, 1)
-    for _ in range(40):
-        num_tokens += rng.integers(1, 5, size=batch)
+    prior[rng.random(12) < 0.3] = -1  # tokens the table has nothing for
+    config = FafoConfig(shared_pool_keys=60, cached_answers=cached_answers, prior_table="off")
+    index = DraftIndex(config, prior=PriorTable(prior))
+    shared_refs = _ReferenceTenants(setting, max_keys=60, max_tenants=config.shared_pool_tenants)
+    ref_texts = reference_deep_match.TenantTexts(cached_answers, config.shared_pool_tenants, config.max_key_len + 1)
+    batch, length, room, ngram_len = 4, 160, 6, config.ngram_len
+    # 12 token values, texts that repeat themselves: deep matches, votes and evictions all happen
+    motifs = rng.integers(0, 12, size=(6, 30))
+    live: list[dict] = []
+    serial = 0
+    seen = np.zeros(len(native.ORIGINS), dtype=np.int64)
+    for step in range(120):
+        while len(live) < batch:
+            text = np.concatenate([motifs[rng.integers(0, 6)] if rng.random() < 0.7 else rng.integers(0, 12, 30)
+                                   for _ in range(length // 30 + 1)])[:length].astype(np.int32)
+            tenant = "ab"[serial % 2]
+            req = dict(id=f"r{serial}", tenant=tenant, text=text, n=20, anchor=0, ref_anchor=0)
+            req["pools"] = index.new_pools(req["id"], tenant, text[:20])
+            req["refs"] = (reference.NgramPool(**setting), shared_refs.pool_for(tenant))
+            ref_texts.start(req["id"], tenant, text[:20])
+            live.append(req)
+            serial += 1
+        for req in live:  # in step: requests finish in the order they started (the reference's bound needs it)
+            req["n"] = min(length - room, req["n"] + 3)
         want = []
-        for i in range(batch):
-            want.append(_reference_step(refs[i], prior, texts[i].tolist(), int(num_tokens[i]), int(prompt_lens[i]),
-                                        ref_anchors[i], ngram_len, room))
-            ref_anchors[i] = max(ref_anchors[i], int(num_tokens[i]) - ngram_len)
-        arena.reserve(int(((num_tokens - ngram_len - anchors).clip(0) * 4 * 2).sum()), ngram_len)
-        drafts = np.zeros((batch, room), dtype=np.int32)
-        origins = np.zeros((batch, room), dtype=np.int32)
-        lens, key_lens = np.zeros(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
-        file_and_draft(arena.state, empty_frozen.state, -1, prior, prior_lens, texts, np.arange(batch),
-                       num_tokens, prompt_lens, anchors, np.array([p.owner for p in pools]),
-                       np.full(batch, shared.owner), np.full(batch, room), ngram_len, True,
-                       np.zeros((batch, 1), dtype=np.int32), np.zeros(batch, dtype=np.int64), drafts, origins,
-                       lens, key_lens, arena.scratch, np.zeros(4 + room + 8, dtype=np.int32))
-        for i in range(batch):
-            draft, draft_origins, first_key = want[i]
-            assert drafts[i, : lens[i]].tolist() == draft
-            assert origins[i, : lens[i]].tolist() == draft_origins
-            assert key_lens[i] == first_key
-        assert anchors.tolist() == ref_anchors
+        for req in live:
+            want.append(_reference_step(req["refs"], ref_texts, req["id"], prior, req["text"].tolist(), req["n"], 20,
+                                        req["ref_anchor"], ngram_len, room))
+            req["ref_anchor"] = max(req["ref_anchor"], req["n"] - ngram_len)
+        shared_refs.trim()
+        anchors = np.array([req["anchor"] for req in live], dtype=np.int64)
+        found = index.draft_batch([req["id"] for req in live], [req["pools"] for req in live],
+                                  np.stack([req["text"] for req in live]), np.arange(len(live)),
+                                  np.array([req["n"] for req in live]), np.full(len(live), 20), anchors,
+                                  np.full(len(live), room))
+        for i, req in enumerate(live):
+            draft, origins, first_key = want[i]
+            assert found.tokens[i, : found.lengths[i]].tolist() == draft, (step, i)
+            assert found.origins[i, : found.lengths[i]].tolist() == origins, (step, i)
+            assert found.key_lens[i] == first_key, (step, i)
+            req["anchor"] = int(anchors[i])
+            assert req["anchor"] == req["ref_anchor"]
+            seen += np.bincount(origins, minlength=len(seen))
+        for req in [req for req in live if req["n"] >= length - room]:  # finished
+            live.remove(req)
+            index.stop(req["id"])
+            ref_texts.stop(req["id"])
+    drafted = {origin.value: int(seen[code]) for code, origin in enumerate(native.ORIGINS)}
+    assert all(drafted[origin] > 0 for origin in ("prompt", "output", "shared", "deep_match", "prior")), drafted
+    assert index.texts.num_cached_requests() == min(cached_answers, serial)
 
 
 def index_for(prior=None, **settings) -> DraftIndex:

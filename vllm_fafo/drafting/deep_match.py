@@ -4,23 +4,19 @@ The pool files candidates under keys of at most ``max_key_len`` (4) tokens,
 so a lookup cannot tell a continuation that followed the same 4 tokens by
 chance from one that followed the same 20: both are "found under a 4-token
 key", and the goodput controller cuts both drafts alike. Deep matches look
-up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does,
-with numpy and the standard library:
+up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does:
+every ``key_len``-token key of a text is filed with the latest
+``MAX_POSITIONS`` places it ended, in the request's own text and in the
+answers (outputs) its tenant's requests gave, running and finished; a lookup
+compares the tokens before each place of the text's last ``key_len`` tokens
+with the text's end, up to ``MATCH_DEPTH`` back, and drafts the continuation
+of the deepest match (the request's own text on ties, then the latest), with
+the depth as the goodput controller's evidence.
 
-- :class:`TextIndex` keeps one text (a request's prompt and output) and, for
-  every ``key_len``-token key of it, the latest ``MAX_POSITIONS`` places the
-  key ended.
-- :class:`TextCache` is one tenant's: the running requests' indexes and an
-  index of the answers (outputs) of its requests, running and finished, by
-  the same keys. A lookup takes the places the text's last ``key_len``
-  tokens ended, in the request's own text and in the answers, compares the
-  tokens before each with the text's end, up to ``MATCH_DEPTH`` back, and
-  drafts the continuation of the deepest match (the request's own text on
-  ties, then the latest), with the depth as the goodput controller's
-  evidence.
-- :class:`TenantTexts` keeps one :class:`TextCache` per tenant (vLLM's
-  ``cache_salt``) and bounds the answers kept over all tenants.
-
+Native: the texts and the places are numpy arrays worked by numba kernels
+(:mod:`vllm_fafo.drafting.text_kernels`), fed and matched inside the step's
+one call (:func:`vllm_fafo.drafting.step_kernel.file_and_draft`);
+:class:`TenantTexts` keeps the bookkeeping (tenants, which answers are kept).
 Work per draft is bounded by ``2 x MAX_POSITIONS x MATCH_DEPTH`` compares,
 flat in the text's length; indexing is per decoded token. On MT-Bench,
 HumanEval and GSM8K (benchmarks/replay_pool.py, 2026-12-02) deep matches add
@@ -31,271 +27,194 @@ their place lost 11-17 % and were removed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_fafo.drafting import step_kernel, text_kernels
+from vllm_fafo.drafting.pool import PoolArena
+
 MATCH_DEPTH = 24
 """Deepest match looked for (as vLLM ``suffix``'s ``suffix_decoding_max_tree_depth``)."""
+assert step_kernel.MATCH_DEPTH == MATCH_DEPTH
 MAX_POSITIONS = 8
 """Latest places per key compared, in the own text and in the answers (the pool's
 default ``pool_capacity``)."""
 
 
-class TextIndex:
-    """One text, and where each of its ``key_len``-token keys ended (the latest
-    ``MAX_POSITIONS``), for the keys followed by at least one token."""
-
-    def __init__(self, key_len: int, tokens: np.ndarray) -> None:
-        self.key_len = key_len
-        self._text = np.zeros(max(64, 2 * len(tokens)), dtype=np.int32)
-        self._len = 0
-        self._ends: dict[tuple[int, ...], tuple[int, ...]] | None = {}
-        """Key -> the latest positions of its last token, oldest first (None: frozen).
-        Tuples, not lists: a tuple of ints is untracked by the garbage collector after
-        one collection, a list never is (:func:`vllm_fafo.drafting.pool._packed` says why it matters)."""
-        self.extend(tokens)
-
-    @property
-    def text(self) -> np.ndarray:
-        return self._text[: self._len]
-
-    def __len__(self) -> int:
-        return self._len
-
-    def extend(self, tokens: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
-        """Append ``tokens``; index the keys that now have a following token, and
-        return them (position of the key's last token, key)."""
-        if self._ends is None:
-            raise RuntimeError("TextIndex.extend after freeze")
-        start, self._len = self._len, self._len + len(tokens)
-        if self._len > len(self._text):
-            self._text = np.concatenate([self._text, np.zeros(self._len, dtype=np.int32)])
-        self._text[start : self._len] = tokens
-        first = max(0, start - self.key_len)  # keys ending at start - 1 got their following token now
-        keys = keys_ending(self._text[first : self._len - 1], self.key_len, first)
-        all_ends = self._ends
-        for end, key in keys:
-            all_ends[key] = (*all_ends.get(key, ())[1 - MAX_POSITIONS :], end)
-        return keys
-
-    def ends_of(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        return () if self._ends is None else self._ends.get(key, ())
-
-    def freeze(self) -> None:
-        """Keep the text, drop the key index (an answer is found through its cache's)."""
-        self._ends = None
-        self._text = self._text[: self._len].copy()
-
-
-def keys_ending(tokens: np.ndarray, key_len: int, offset: int) -> list[tuple[int, tuple[int, ...]]]:
-    """(position of its last token + ``offset``, key) for every ``key_len``-token window."""
-    values = tokens.tolist()
-    return [(offset + i + key_len - 1, tuple(values[i : i + key_len])) for i in range(len(values) - key_len + 1)]
-
-
-def match_depths(texts: Sequence[np.ndarray], ends: Sequence[int], context_reversed: list[int]) -> list[int]:
-    """For each (text, end): how many tokens back from ``end`` equal the context's
-    end (``context_reversed[0]`` is its last token). One ``tolist`` per place and
-    Python ints: for the ~10 places of a lookup this costs half what a numpy
-    comparison matrix did (most matches end a few tokens past the key)."""
-    depth = len(context_reversed)
-    depths = []
-    for text, end in zip(texts, ends):
-        matched = 0
-        for token, wanted in zip(text[max(0, end - depth + 1) : end + 1][::-1].tolist(), context_reversed):
-            if token != wanted:
-                break
-            matched += 1
-        depths.append(matched)
-    return depths
-
-
-class TextDraft(NamedTuple):
-    """What :meth:`TextCache.speculate` found."""
-
-    token_ids: list[int]
-    match_len: int
-
-
-class _Answer(NamedTuple):
-    index: TextIndex
-    start: int
-    """Where the answer starts in the request's text (after its prompt)."""
-    number: int
-    """The answer's number in its cache (packed into its places)."""
-
-
-class TextCache:
-    """One tenant's texts: the running requests' own, and its answers (running and
-    finished).
-
-    ``key_len``: the shortest match drafted from (the goodput controller's pool
-    drafts cover shorter ones); ``keep_answers`` false: every request drafts from
-    its own text only; true: answers are shared and kept until
-    :meth:`evict_cached_response`.
-
-    The answers' places are kept compact, since a tenant keeps up to thousands of
-    answers: a key is filed under its hash (a collision shows as a match less than
-    ``key_len`` deep and is never drafted), a place is one int (the answer's number
-    and the position, packed), and a key with one place holds that int, not a list."""
-
-    def __init__(self, key_len: int, keep_answers: bool) -> None:
-        self.key_len = key_len
-        self.keep_answers = keep_answers
-        self._running: dict[str, TextIndex] = {}
-        self._answers: dict[str, _Answer] = {}
-        self._numbered: dict[int, str] = {}
-        self._next_number = 0
-        self._answer_places: dict[int, int | tuple[int, ...]] = {}
-        """Hash of a key -> the latest places (answer number << 32 | position of the
-        key's last token) it ended at in the answers, oldest first (a tuple: untracked
-        by the garbage collector, as :class:`TextIndex`'s)."""
-
-    @property
-    def cached_requests(self) -> dict[str, _Answer]:
-        """The requests whose answers are kept (running ones included)."""
-        return self._answers
-
-    def start_request(self, req_id: str, prompt: np.ndarray) -> None:
-        index = TextIndex(self.key_len, np.asarray(prompt))
-        self._running[req_id] = index
-        self._answers[req_id] = _Answer(index, len(index), self._next_number)
-        self._numbered[self._next_number] = req_id
-        self._next_number += 1
-
-    def add_active_response(self, req_id: str, tokens: np.ndarray) -> None:
-        index, _, number = self._answers[req_id]
-        # the keys whose following token is new: in the answer, since the index holds the prompt already
-        keys = index.extend(np.asarray(tokens))
-        if not self.keep_answers:  # no sharing: not even between running requests
-            return
-        places = self._answer_places
-        for end, key in keys:
-            place, key_hash = number << 32 | end, hash(key)
-            held = places.get(key_hash)
-            if held is None:
-                places[key_hash] = place
-            elif isinstance(held, int):
-                places[key_hash] = (held, place)
-            else:
-                places[key_hash] = (*held[1 - MAX_POSITIONS :], place)
-
-    def stop_request(self, req_id: str) -> None:
-        self._running.pop(req_id).freeze()
-        if not self.keep_answers:
-            self.evict_cached_response(req_id)
-
-    def evict_cached_response(self, req_id: str) -> None:
-        """Forget a request's answer (its places included)."""
-        index, answer_start, number = self._answers.pop(req_id)
-        del self._numbered[number]
-        places = self._answer_places
-        first = max(0, answer_start - self.key_len)
-        for _, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
-            key_hash = hash(key)
-            held = places.get(key_hash)
-            if isinstance(held, int):
-                if held >> 32 == number:
-                    del places[key_hash]
-            elif held is not None:
-                kept = tuple(place for place in held if place >> 32 != number)
-                if kept:
-                    places[key_hash] = kept
-                else:
-                    del places[key_hash]
-
-    def num_keys(self) -> int:
-        return len(self._answer_places)
-
-    def speculate(self, req_id: str, context: np.ndarray, max_spec_tokens: int) -> TextDraft:
-        """The continuation (up to ``max_spec_tokens``) of the deepest match of
-        ``context``'s end, at least ``key_len`` deep, in the request's own text or the
-        kept answers; empty if none. ``context``: the request's text's last tokens, as
-        many as the deepest match looked for."""
-        own = self._running[req_id]
-        if max_spec_tokens <= 0 or len(context) < self.key_len:
-            return TextDraft([], 0)
-        key = tuple(context[-self.key_len :].tolist())
-        held = self._answer_places.get(hash(key), ())
-        own_number = self._answers[req_id].number
-        places = [(self._answers[self._numbered[place >> 32]].index.text, place & 0xFFFFFFFF)
-                  for place in ((held,) if isinstance(held, int) else held) if place >> 32 != own_number]
-        places += [(own.text, end) for end in own.ends_of(key)]  # last: the own text wins ties
-        if not places:
-            return TextDraft([], 0)
-        texts, ends = zip(*places)
-        depths = match_depths(texts, ends, np.asarray(context)[::-1].tolist())
-        best = len(depths) - 1 - depths[::-1].index(max(depths))  # the deepest, the latest on ties
-        if depths[best] < self.key_len:  # an answer's key whose hash collided with this one
-            return TextDraft([], 0)
-        start = ends[best] + 1
-        return TextDraft(texts[best][start : start + max_spec_tokens].tolist(), depths[best])
+@dataclass
+class _Tenant:
+    answers: int
+    """The owner id its answers' places are filed under."""
+    kept: dict[str, int] = field(default_factory=dict)
+    """Request id -> text id of each answer kept (running requests' included)."""
 
 
 @dataclass
 class _Running:
     tenant: str | None
-    fed: int
-    """Tokens of the request's text its cache holds."""
+    text: int
+    own: int
+    """The owner id of the places in its own text."""
+    answer_kept: bool
 
 
 class TenantTexts:
-    """One :class:`TextCache` per tenant; requests start, grow, draft and stop here.
+    """The texts deep matches draft from, one set of answers per tenant (vLLM's
+    ``cache_salt``); requests start, grow, draft and stop here.
 
     The answers kept for later requests are bounded over all tenants together
-    (``cached_answers``, the oldest answer evicted first), not per tenant;
-    at most ``max_tenants`` tenants (the least recently used one without
-    running requests is dropped). ``key_len``: the shortest match drafted."""
+    (``cached_answers``, the oldest answer evicted first; 0: a request matches in
+    its own text only), not per tenant; at most ``max_tenants`` tenants (the least
+    recently used one without running requests is dropped). ``key_len``: the
+    shortest match drafted."""
 
     def __init__(self, cached_answers: int, max_tenants: int, key_len: int) -> None:
         self.key_len = key_len
         self.cached_answers = cached_answers
         self.max_tenants = max_tenants
-        self._caches: OrderedDict[str | None, TextCache] = OrderedDict()
+        self.positions = PoolArena(key_len, MAX_POSITIONS, min_key_len=key_len, touch_on_lookup=False,
+                                   rank="recency", candidate_len=2)
+        """Where each key ended: own texts' positions, answers' (text id, position)."""
+        self.store = np.zeros(1 << 14, dtype=np.int32)
+        self._store_end = 0
+        self.starts = np.zeros(64, dtype=np.int64)
+        self.lengths = np.zeros(64, dtype=np.int64)
+        self._capacities = np.zeros(64, dtype=np.int64)
+        self._answer_starts = np.zeros(64, dtype=np.int64)
+        self._free_texts = list(range(63, -1, -1))
+        self._tenants: OrderedDict[str | None, _Tenant] = OrderedDict()
         self._running: dict[str, _Running] = {}
         self._answers: OrderedDict[tuple[str | None, str], None] = OrderedDict()
-        """(tenant, request) of every answer kept, oldest first."""
+        """(tenant, request) of every answer kept, oldest first (``cached_answers`` > 0)."""
 
+    # texts ----------------------------------------------------------------------------
+    def _new_text(self, tokens: np.ndarray) -> int:
+        if not self._free_texts:
+            size = len(self.starts)
+            for name in ("starts", "lengths", "_capacities", "_answer_starts"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(size, dtype=np.int64)]))
+            self._free_texts = list(range(2 * size - 1, size - 1, -1))
+        text = self._free_texts.pop()
+        self._capacities[text] = 0
+        self._place(text, max(64, 2 * len(tokens)))
+        self.store[self.starts[text] : self.starts[text] + len(tokens)] = tokens
+        self.lengths[text] = self._answer_starts[text] = len(tokens)
+        return text
+
+    def _place(self, text: int, capacity: int) -> None:
+        """Give ``text`` a segment of ``capacity`` tokens (its tokens moved along)."""
+        if self._store_end + capacity > len(self.store):
+            self._compact(capacity)
+        start, length = self._store_end, int(self.lengths[text]) if self._capacities[text] else 0
+        old = int(self.starts[text])
+        self.store[start : start + length] = self.store[old : old + length]
+        self.starts[text], self._capacities[text] = start, capacity
+        self._store_end += capacity
+
+    def _compact(self, room: int) -> None:
+        """Move the live texts together (into a larger store where they and ``room`` do not fit in half)."""
+        live = np.flatnonzero(self._capacities > 0).tolist()
+        needed = sum(int(self._capacities[text]) for text in live) + room
+        store = np.zeros(max(len(self.store), 2 * needed), dtype=np.int32)
+        end = 0
+        for text in live:
+            start, length = int(self.starts[text]), int(self.lengths[text])
+            store[end : end + length] = self.store[start : start + length]
+            self.starts[text] = end
+            end += int(self._capacities[text])
+        self.store, self._store_end = store, end
+
+    def _free_text(self, text: int) -> None:
+        self._capacities[text] = self.lengths[text] = 0
+        self._free_texts.append(text)
+
+    def ensure_room(self, req_ids: list[str], num_tokens: np.ndarray) -> None:
+        """Grow the running texts that ``num_tokens`` would overflow, and the places' arena
+        for the keys they add (before a step's kernel)."""
+        texts = np.fromiter((self._running[req_id].text for req_id in req_ids), dtype=np.int64, count=len(req_ids))
+        short = np.flatnonzero(num_tokens > self._capacities[texts])
+        for i in short.tolist():
+            self._place(int(texts[i]), 2 * int(num_tokens[i]))
+        self.positions.reserve(2 * int(np.maximum(num_tokens - self.lengths[texts], 0).sum()) + 2, 2)
+
+    # requests -------------------------------------------------------------------------
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
         """A new request: its prompt is the first text it matches in; its answer is
         kept for later requests of its tenant (the oldest answer kept goes)."""
-        cache = self._caches.get(tenant)
+        cache = self._tenants.get(tenant)
         if cache is None:
-            cache = self._caches[tenant] = TextCache(self.key_len, self.cached_answers > 0)
-        self._caches.move_to_end(tenant)
-        if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
+            cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
+        self._tenants.move_to_end(tenant)
+        if req_id in cache.kept:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
-        cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
-        self._running[req_id] = _Running(tenant, len(prompt))
+        prompt = np.ascontiguousarray(prompt, dtype=np.int32)
+        text = self._new_text(prompt)
+        own = self.positions.new_owner()
+        self.positions.reserve(len(prompt), 2)
+        text_kernels.feed_text(self.positions.state, self.store, self.starts[text], 0, len(prompt), self.key_len,
+                               own, -1, text, np.zeros(2, dtype=np.int32))
+        cache.kept[req_id] = text
+        self._running[req_id] = _Running(tenant, text, own, True)
         if self.cached_answers:
             self._answers[(tenant, req_id)] = None
             while len(self._answers) > self.cached_answers:
                 self._evict(*next(iter(self._answers)))
         self._drop_idle_tenants()
 
+    def batch_arrays(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each running request's (text id, own owner, answers owner: -1 where its answer
+        is not kept for others), as the step's kernel takes them."""
+        running = [self._running[req_id] for req_id in req_ids]
+        count = len(running)
+        return (np.fromiter((r.text for r in running), dtype=np.int64, count=count),
+                np.fromiter((r.own for r in running), dtype=np.int64, count=count),
+                np.fromiter((self._tenants[r.tenant].answers if r.answer_kept and self.cached_answers else -1
+                             for r in running), dtype=np.int64, count=count))
+
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
-        after ``history[:num_tokens]``; returns the draft and its match length."""
-        running = self._running[req_id]
-        cache = self._caches[running.tenant]
-        if num_tokens > running.fed:
-            cache.add_active_response(req_id, np.ascontiguousarray(history[running.fed : num_tokens], dtype=np.int32))
-            running.fed = num_tokens
+        after ``history[:num_tokens]``; returns the draft and its match length (one
+        request; the step drafts every request inside its kernel)."""
+        self.ensure_room([req_id], np.array([num_tokens]))
+        texts, owns, answers = self.batch_arrays([req_id])
+        text = int(texts[0])
+        self.feed(text, int(owns[0]), int(answers[0]), np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
-        found = cache.speculate(req_id, context, room)
-        return found.token_ids, (found.match_len if found.token_ids else 0)
+        found, end, depth = text_kernels.deep_match(
+            self.positions.state, self.store, self.starts, self.lengths, context, len(context), self.key_len,
+            int(owns[0]), int(answers[0]), text, np.zeros(MAX_POSITIONS, dtype=np.int64))
+        if depth == 0:
+            return [], 0
+        start = int(self.starts[found]) + end + 1
+        stop = int(self.starts[found] + self.lengths[found])
+        return self.store[start : min(stop, start + room)].tolist(), depth
+
+    def feed(self, text: int, own: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
+        """Append ``history[fed:num_tokens]`` to the text and file its new keys (room ensured)."""
+        fed = int(self.lengths[text])
+        if num_tokens <= fed:
+            return
+        start = int(self.starts[text])
+        self.store[start + fed : start + num_tokens] = history[fed:num_tokens]
+        text_kernels.feed_text(self.positions.state, self.store, start, fed, num_tokens, self.key_len, own,
+                               answers, text, np.zeros(2, dtype=np.int32))
+        self.lengths[text] = num_tokens
 
     def stop(self, req_id: str) -> None:
         """A request finished: its answer stays for later requests of its tenant."""
         running = self._running.pop(req_id, None)
         if running is None:
             return
-        self._caches[running.tenant].stop_request(req_id)
+        self.positions.release(running.own)
+        if not self.cached_answers or not running.answer_kept:
+            cache = self._tenants[running.tenant]
+            if cache.kept.get(req_id) == running.text:
+                self._evict(running.tenant, req_id)
+            else:
+                self._free_text(running.text)
         self._drop_idle_tenants()
 
     def clear(self) -> None:
@@ -306,29 +225,42 @@ class TenantTexts:
 
     @property
     def num_tenants(self) -> int:
-        return len(self._caches)
+        return len(self._tenants)
 
     def num_cached_requests(self) -> int:
         """Answers kept, running requests' included."""
         return len(self._answers)
 
     def _evict(self, tenant: str | None, req_id: str) -> None:
-        self._caches[tenant].evict_cached_response(req_id)
+        """Forget an answer (its places); its text goes unless its request still runs."""
+        cache = self._tenants[tenant]
+        text = cache.kept.pop(req_id)
         self._answers.pop((tenant, req_id), None)
+        if self.cached_answers:
+            text_kernels.forget_answer(self.positions.state, self.store, self.starts[text],
+                                       self._answer_starts[text], self.lengths[text], self.key_len, cache.answers,
+                                       text)
+        running = self._running.get(req_id)
+        if running is not None and running.text == text:
+            running.answer_kept = False
+        else:
+            self._free_text(text)
 
     def _drop_idle_tenants(self) -> None:
         """Drop the least recently used tenants without running requests while there
         are more than ``max_tenants`` (tenants that all have running requests may
         exceed it: a running request's texts are never dropped)."""
-        excess = len(self._caches) - self.max_tenants
+        excess = len(self._tenants) - self.max_tenants
         if excess <= 0:
             return
         busy = {running.tenant for running in self._running.values()}
-        for tenant in list(self._caches):
+        for tenant in list(self._tenants):
             if excess <= 0:
                 break
             if tenant not in busy:
-                del self._caches[tenant]
-                for answer in [a for a in self._answers if a[0] == tenant]:
-                    del self._answers[answer]
+                cache = self._tenants.pop(tenant)
+                for req_id, text in cache.kept.items():
+                    self._answers.pop((tenant, req_id), None)
+                    self._free_text(text)
+                self.positions.release(cache.answers)
                 excess -= 1

@@ -18,11 +18,14 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.drafting.deep_match import TenantTexts
-from vllm_fafo.drafting.pool import NgramPool, PoolArena
-from vllm_fafo.drafting.pool_kernels import file_and_draft
+from vllm_fafo.drafting import step_kernel
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
+from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, PoolArena
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.shared_pool import TenantPools
+
+for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kernel's copies of the codes
+    assert getattr(step_kernel, f"ORIGIN_{_name}") == ORIGIN_CODE[Origin[_name]], _name
 
 
 class BatchDrafts(NamedTuple):
@@ -76,6 +79,10 @@ class DraftIndex:
         self._prior = np.ascontiguousarray(rows, dtype=np.int32)
         self._prior_lens = np.zeros(0, dtype=np.int32) if prior is None else prior.lengths.astype(np.int32)
         self._scratch = self.arena.scratch
+        empty = np.zeros(0, dtype=np.int64)
+        self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, empty, 1,
+                          False)
+        """The kernel's deep-match arguments where there are none (the modes)."""
         if frozen is not None and frozen.capacity > self.arena.capacity:
             self._scratch = frozen.arena.scratch
 
@@ -99,21 +106,20 @@ class DraftIndex:
                     rows: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
                     rooms: np.ndarray) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
-        since ``next_anchors[i]`` (advanced in place) and draft up to ``rooms[i]`` tokens:
-        the deep match of its text's end, chained on from its pools, else its pools'
-        chain, where they miss the frozen table, then the prior table."""
+        since ``next_anchors[i]`` (int64, advanced in place) and draft up to ``rooms[i]``
+        tokens: the deep match of its text's end, chained on from its pools, else its
+        pools' chain, where they miss the frozen table, then the prior table. One kernel
+        call (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`)."""
         config = self.config
         count = len(req_ids)
+        rows, num_tokens, prompt_lens, rooms = (np.asarray(a, dtype=np.int64) for a in (rows, num_tokens, prompt_lens,
+                                                                                         rooms))
         width = max(1, int(rooms.max(initial=0)))
-        prefix = np.zeros((count, width), dtype=np.int32)
-        prefix_lens = np.zeros(count, dtype=np.int64)
-        deep_lens = np.zeros(count, dtype=np.int64)
+        texts = self._no_texts
         if self.texts is not None:
-            for i, (req_id, row, tokens, room) in enumerate(zip(req_ids, rows.tolist(), num_tokens.tolist(),
-                                                                 rooms.tolist())):
-                draft, depth = self.texts.draft(req_id, history[row], tokens, room)
-                prefix[i, : len(draft)] = draft
-                prefix_lens[i], deep_lens[i] = len(draft), depth
+            self.texts.ensure_room(req_ids, num_tokens)
+            t = self.texts
+            texts = (t.positions.state, t.store, t.starts, t.lengths, *t.batch_arrays(req_ids), t.key_len, True)
         own = np.fromiter((request[0].owner for request in pools), dtype=np.int64, count=count)
         shared = np.fromiter((request[1].owner if len(request) > 1 else -1 for request in pools), dtype=np.int64,
                              count=count)
@@ -127,12 +133,12 @@ class DraftIndex:
         origins = np.zeros((count, width), dtype=np.int32)
         lengths = np.zeros(count, dtype=np.int64)
         key_lens = np.zeros(count, dtype=np.int64)
-        context = np.zeros(config.max_key_len + 2 * width + self.arena.candidate_len, dtype=np.int32)
-        file_and_draft(self.arena.state, self._frozen_state, -1 if self.frozen is None else self.frozen.owner,
-                       self._prior, self._prior_lens, history, rows, num_tokens, prompt_lens, next_anchors, own,
-                       shared, rooms, ngram_len, config.seed_from_output, prefix, prefix_lens, tokens, origins,
-                       lengths, key_lens, self._scratch, context)
-        key_lens = np.where(prefix_lens > 0, deep_lens, key_lens)
+        context = np.zeros(max(MATCH_DEPTH, config.max_key_len) + 2 * width + self.arena.candidate_len,
+                           dtype=np.int32)
+        step_kernel.file_and_draft(
+            self.arena.state, self._frozen_state, -1 if self.frozen is None else self.frozen.owner, self._prior,
+            self._prior_lens, texts, history, rows, num_tokens, prompt_lens, next_anchors, own, shared, rooms,
+            ngram_len, config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
         if self.shared is not None:
             self.shared.trim()
         return BatchDrafts(tokens, origins, lengths, key_lens)

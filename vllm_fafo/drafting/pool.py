@@ -56,8 +56,6 @@ Candidate = tuple[int, ...]
 ORIGINS = tuple(Origin)
 """Origins by their code (the kernels' int)."""
 ORIGIN_CODE = {origin: code for code, origin in enumerate(ORIGINS)}
-for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kernels' copies of the codes
-    assert getattr(kernels, f"ORIGIN_{_name}") == ORIGIN_CODE[Origin[_name]], _name
 RANKINGS = ("votes", "recency")
 """How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
 GUESS_VOTES = kernels.GUESS_VOTES

@@ -33,12 +33,6 @@ EMPTY = 0
 TOMBSTONE = -1
 GUESS_VOTES = 2
 """Votes the fallbacks' guess of the next token casts (see vllm_fafo.drafting.pool)."""
-ORIGIN_SHARED = 4
-""":attr:`Origin.SHARED`'s code (checked in vllm_fafo.drafting.pool)."""
-ORIGIN_DEEP_MATCH = 5
-ORIGIN_PRIOR = 7
-ORIGIN_PROMPT = 0
-ORIGIN_OUTPUT = 1
 
 
 @njit(cache=True, inline="always")
@@ -140,6 +134,24 @@ def remove_slot(st, s):
     st[ST_S_FREE][counters[CNT_SLOT_FREE]] = s
     counters[CNT_SLOT_FREE] += 1
     counters[CNT_LIVE_SLOTS] -= 1
+
+
+@njit(cache=True)
+def remove_entry(st, s, e):
+    """Drop candidate ``e`` of slot ``s`` (and the key, where it was the last)."""
+    counters, e_next = st[ST_COUNTERS], st[ST_E_NEXT]
+    if st[ST_S_HEAD][s] == e:
+        st[ST_S_HEAD][s] = e_next[e]
+    else:
+        p = st[ST_S_HEAD][s]
+        while e_next[p] != e:
+            p = e_next[p]
+        e_next[p] = e_next[e]
+    st[ST_E_FREE][counters[CNT_ENTRY_FREE]] = e
+    counters[CNT_ENTRY_FREE] += 1
+    st[ST_S_COUNT][s] -= 1
+    if st[ST_S_COUNT][s] == 0:
+        remove_slot(st, s)
 
 
 @njit(cache=True)
@@ -255,7 +267,7 @@ def _newest(st, s):
 
 
 @njit(cache=True)
-def _by_recency(st, s, out):
+def by_recency(st, s, out):
     """Slot ``s``'s entries into ``out``, most recently used first; returns how many."""
     e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
     n, e = 0, st[ST_S_HEAD][s]
@@ -334,12 +346,12 @@ def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
                 num = _votes(st_b, sb, firsts, counts, num)
             best_votes = -1
             if sa >= 0:
-                for i in range(_by_recency(st_a, sa, order)):
+                for i in range(by_recency(st_a, sa, order)):
                     c = _count_of(firsts, counts, num, st_a[ST_E_TOK][order[i], 0])
                     if c > best_votes:
                         which, best, best_votes = 0, order[i], c
             if sb >= 0:
-                for i in range(_by_recency(st_b, sb, order)):
+                for i in range(by_recency(st_b, sb, order)):
                     c = _count_of(firsts, counts, num, st_b[ST_E_TOK][order[i], 0])
                     if c > best_votes:
                         which, best, best_votes = 1, order[i], c
@@ -357,7 +369,7 @@ def slot_entries(st, owner, ctx, k0, k1, out):
     """The entries under exactly the key ``ctx[k0:k1]``, most recently used first, into
     ``out``; returns how many (0 where the key is not held)."""
     s = find_slot(st, owner, ctx, k0, k1 - k0)
-    return 0 if s < 0 else _by_recency(st, s, out)
+    return 0 if s < 0 else by_recency(st, s, out)
 
 
 @njit(cache=True)
@@ -380,106 +392,3 @@ def owner_entries(st, owner):
         total += st[ST_S_COUNT][s]
         s = st[ST_S_NEXT][s]
     return total
-
-
-@njit(cache=True)
-def _prior_piece(prior, prior_lens, token):
-    if token < 0 or token >= len(prior_lens):
-        return 0
-    return prior_lens[token]
-
-
-@njit(cache=True)
-def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, history, rows, num_tokens, prompt_lens,
-                   next_anchors, own, shared, rooms, ngram_len, seed_from_output, prefix, prefix_lens,
-                   drafts, origins, draft_lens, key_lens, scratch, context):
-    """One step's filing and drafting for every decoding request, in row order (the
-    Python proposer's loop): file the n-grams ``history[row]`` completed since
-    ``next_anchors[i]`` into the request's pool ``own[i]`` and its tenant's ``shared[i]``
-    (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
-    (a deep match) first, then chained candidates of the pools, where they miss
-    Cacheback's frozen table (``frozen_owner`` >= 0), then the prior table
-    (``prior_lens`` non-empty), whose next token votes where the pools rank by votes.
-    Writes ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the first piece's key,
-    0 for the prior table's; the deep match's caller keeps its own) and advances
-    ``next_anchors``. ``context``: int32 room for ``max_key_len`` + the longest room."""
-    max_key = st[ST_CFG][CFG_MAX_KEY]
-    votes = st[ST_CFG][CFG_VOTES] != 0
-    for i in range(len(rows)):
-        hist = history[rows[i]]
-        n_tok = num_tokens[i]
-        # file the completed n-grams (anchors whose n-gram is whole)
-        stop = n_tok - ngram_len
-        if not seed_from_output:
-            stop = min(stop, prompt_lens[i] - ngram_len)
-        for anchor in range(next_anchors[i], stop):
-            end = anchor + 1
-            origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[i] else ORIGIN_OUTPUT
-            k0 = max(0, end - max_key)
-            file_candidate(st, own[i], hist, k0, end, hist, end, end + ngram_len, origin)
-            if shared[i] >= 0:
-                file_candidate(st, shared[i], hist, k0, end, hist, end, end + ngram_len, origin)
-        if stop > next_anchors[i]:
-            next_anchors[i] = stop
-        # draft
-        room = rooms[i]
-        k0 = max(0, n_tok - max_key)
-        n_ctx = n_tok - k0
-        for j in range(n_ctx):
-            context[j] = hist[k0 + j]
-        length = 0
-        for j in range(min(prefix_lens[i], room)):
-            drafts[i, length] = prefix[i, j]
-            origins[i, length] = ORIGIN_DEEP_MATCH
-            context[n_ctx] = prefix[i, j]
-            n_ctx += 1
-            length += 1
-        first_key = 0
-        first = True
-        while length < room:
-            c0 = max(0, n_ctx - max_key)
-            guess_len = 0
-            guess_entry = -1
-            frozen_key = 0
-            if frozen_owner >= 0:
-                which, entry, frozen_key = match_pair(frozen, frozen_owner, frozen, -1, context, c0, n_ctx, -1,
-                                                      scratch)
-                if which >= 0:
-                    guess_entry = entry
-            if guess_entry < 0:
-                guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
-            guess = -1
-            if guess_entry >= 0:
-                guess = frozen[ST_E_TOK][guess_entry, 0]
-            elif guess_len > 0:
-                guess = prior[context[n_ctx - 1], 0]
-            which, entry, key_len = match_pair(st, own[i], st, shared[i], context, c0, n_ctx,
-                                               guess if votes else -1, scratch)
-            if which >= 0:
-                piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]
-                origin = ORIGIN_SHARED if which == 1 else st[ST_E_ORIGIN][entry]
-            elif guess_entry >= 0:
-                piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
-                origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
-            elif guess_len > 0:
-                piece, piece_len = prior[context[n_ctx - 1]], guess_len
-                origin, key_len = ORIGIN_PRIOR, 0
-            else:
-                break
-            if first and prefix_lens[i] == 0:
-                first_key = key_len
-            first = False
-            for j in range(min(piece_len, room - length)):
-                drafts[i, length] = piece[j]
-                origins[i, length] = origin
-                context[n_ctx] = piece[j]
-                n_ctx += 1
-                length += 1
-            # keep the context short: only its last max_key tokens are ever read
-            if n_ctx > max_key:
-                shift = n_ctx - max_key
-                for j in range(max_key):
-                    context[j] = context[shift + j]
-                n_ctx = max_key
-        draft_lens[i] = length
-        key_lens[i] = first_key

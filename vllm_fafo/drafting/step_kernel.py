@@ -1,0 +1,161 @@
+"""The step's one kernel call: every decoding request's filing and draft.
+
+:func:`file_and_draft` runs, for each request in row order (the order vLLM's
+batch has), what the Python proposer ran per request: file the n-grams its
+text completed into its own pool and its tenant's shared pool
+(:mod:`vllm_fafo.drafting.pool_kernels`), feed its text to the deep matches
+and match its end there (:mod:`vllm_fafo.drafting.text_kernels`), then chain
+pool candidates after the deep match (or from scratch), where the pools miss
+Cacheback's frozen table, then the prior table, into preallocated outputs.
+:class:`vllm_fafo.drafting.index.DraftIndex` prepares its arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from vllm_fafo.drafting.pool_kernels import (
+    CFG_MAX_KEY,
+    CFG_VOTES,
+    ST_CFG,
+    ST_E_LEN,
+    ST_E_ORIGIN,
+    ST_E_TOK,
+    file_candidate,
+    match_pair,
+)
+from vllm_fafo.drafting.text_kernels import deep_match, feed_text
+
+ORIGIN_PROMPT, ORIGIN_OUTPUT, ORIGIN_SHARED, ORIGIN_DEEP_MATCH, ORIGIN_PRIOR = 0, 1, 4, 5, 7
+""":class:`~vllm_fafo.drafting.pool.Origin` codes (checked there)."""
+MATCH_DEPTH = 24
+"""The deep matches' depth (:data:`vllm_fafo.drafting.deep_match.MATCH_DEPTH`, checked there)."""
+
+
+@njit(cache=True)
+def _prior_piece(prior, prior_lens, token):
+    if token < 0 or token >= len(prior_lens):
+        return 0
+    return prior_lens[token]
+
+
+@njit(cache=True)
+def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, prompt_lens,
+                   next_anchors, own, shared, rooms, ngram_len, seed_from_output, drafts, origins, draft_lens,
+                   key_lens, scratch, context):
+    """One step's filing and drafting for every decoding request, in row order (the
+    Python proposer's loop): file the n-grams ``history[row]`` completed since
+    ``next_anchors[i]`` into the request's pool ``own[i]`` and its tenant's ``shared[i]``
+    (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
+    (a deep match) first, then chained candidates of the pools, where they miss
+    Cacheback's frozen table (``frozen_owner`` >= 0), then the prior table
+    (``prior_lens`` non-empty), whose next token votes where the pools rank by votes.
+    ``texts``: the deep matches' (places arena, store, text starts, text lengths, each
+    row's text id, own owner and answers owner, key length, on), each row's text fed up
+    to ``num_tokens`` (room ensured). Writes ``drafts``, ``origins``, ``draft_lens``,
+    ``key_lens`` (the deep match's depth, else the first piece's key, 0 for the prior
+    table's) and advances ``next_anchors``. ``context``: int32 room for
+    ``max(MATCH_DEPTH, max_key_len)`` + twice the longest room."""
+    max_key = st[ST_CFG][CFG_MAX_KEY]
+    votes = st[ST_CFG][CFG_VOTES] != 0
+    pos, store, t_start, t_len, text_ids, text_owns, text_answers, deep_key, deep_on = texts
+    place = np.zeros(2, dtype=np.int32)
+    order = np.zeros(len(scratch), dtype=np.int64)
+    for i in range(len(rows)):
+        hist = history[rows[i]]
+        n_tok = num_tokens[i]
+        # file the completed n-grams (anchors whose n-gram is whole)
+        stop = n_tok - ngram_len
+        if not seed_from_output:
+            stop = min(stop, prompt_lens[i] - ngram_len)
+        for anchor in range(next_anchors[i], stop):
+            end = anchor + 1
+            origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[i] else ORIGIN_OUTPUT
+            k0 = max(0, end - max_key)
+            file_candidate(st, own[i], hist, k0, end, hist, end, end + ngram_len, origin)
+            if shared[i] >= 0:
+                file_candidate(st, shared[i], hist, k0, end, hist, end, end + ngram_len, origin)
+        if stop > next_anchors[i]:
+            next_anchors[i] = stop
+        room = rooms[i]
+        length = 0
+        first_key = 0
+        first = True
+        # the deep match: feed the text, match its end
+        if deep_on:
+            text = text_ids[i]
+            fed = t_len[text]
+            for j in range(fed, n_tok):
+                store[t_start[text] + j] = hist[j]
+            if n_tok > fed:
+                feed_text(pos, store, t_start[text], fed, n_tok, deep_key, text_owns[i], text_answers[i], text,
+                          place)
+                t_len[text] = n_tok
+            if room > 0:
+                k0 = max(0, n_tok - MATCH_DEPTH)
+                for j in range(n_tok - k0):
+                    context[j] = hist[k0 + j]
+                found, end, depth = deep_match(pos, store, t_start, t_len, context, n_tok - k0, deep_key,
+                                               text_owns[i], text_answers[i], text, order)
+                if depth > 0:
+                    first_key, first = depth, False
+                    src = t_start[found] + end + 1
+                    length = min(room, t_len[found] - end - 1)
+                    for j in range(length):
+                        drafts[i, j] = store[src + j]
+                        origins[i, j] = ORIGIN_DEEP_MATCH
+        # the pools' chain, after the deep match's draft
+        k0 = max(0, n_tok - max_key)
+        n_ctx = n_tok - k0
+        for j in range(n_ctx):
+            context[j] = hist[k0 + j]
+        for j in range(length):
+            context[n_ctx] = drafts[i, j]
+            n_ctx += 1
+        while length < room:
+            c0 = max(0, n_ctx - max_key)
+            guess_len = 0
+            guess_entry = -1
+            frozen_key = 0
+            if frozen_owner >= 0:
+                which, entry, frozen_key = match_pair(frozen, frozen_owner, frozen, -1, context, c0, n_ctx, -1,
+                                                      scratch)
+                if which >= 0:
+                    guess_entry = entry
+            if guess_entry < 0:
+                guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
+            guess = -1
+            if guess_entry >= 0:
+                guess = frozen[ST_E_TOK][guess_entry, 0]
+            elif guess_len > 0:
+                guess = prior[context[n_ctx - 1], 0]
+            which, entry, key_len = match_pair(st, own[i], st, shared[i], context, c0, n_ctx,
+                                               guess if votes else -1, scratch)
+            if which >= 0:
+                piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]
+                origin = ORIGIN_SHARED if which == 1 else st[ST_E_ORIGIN][entry]
+            elif guess_entry >= 0:
+                piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
+                origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
+            elif guess_len > 0:
+                piece, piece_len = prior[context[n_ctx - 1]], guess_len
+                origin, key_len = ORIGIN_PRIOR, 0
+            else:
+                break
+            if first:
+                first_key, first = key_len, False
+            for j in range(min(piece_len, room - length)):
+                drafts[i, length] = piece[j]
+                origins[i, length] = origin
+                context[n_ctx] = piece[j]
+                n_ctx += 1
+                length += 1
+            # keep the context short: only its last max_key tokens are ever read
+            if n_ctx > max_key:
+                shift = n_ctx - max_key
+                for j in range(max_key):
+                    context[j] = context[shift + j]
+                n_ctx = max_key
+        draft_lens[i] = length
+        key_lens[i] = first_key

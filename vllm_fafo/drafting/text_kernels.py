@@ -1,0 +1,104 @@
+"""numba kernels of the deep matches (:mod:`vllm_fafo.drafting.deep_match`).
+
+Texts (a request's prompt and output so far; kept on as its tenant's answer
+once it finishes) live in one int32 store, each a segment (``start``,
+``length``, ``capacity``) that the Python side moves when it outgrows its
+room. Where each ``key_len``-token key of a text ended is filed in a
+:class:`~vllm_fafo.drafting.pool.PoolArena` of fixed-length keys (the pool
+kernels): under the request's own owner the positions in its own text
+(candidates of one token), under its tenant's answers owner the places
+(text id, position) in every answer kept; each key keeps the latest
+``MAX_POSITIONS``, the oldest evicted first (recency is filing order).
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from vllm_fafo.drafting.pool_kernels import (
+    ST_E_NEXT,
+    ST_E_TOK,
+    ST_S_HEAD,
+    by_recency,
+    file_candidate,
+    find_slot,
+    remove_entry,
+)
+
+
+@njit(cache=True)
+def feed_text(pos, store, start, old_len, new_len, key_len, own, answers, text_id, place):
+    """File the keys of ``store[start:start+new_len]`` that got their following token
+    when the text grew from ``old_len`` to ``new_len`` tokens: each key's end under ``own``
+    and, where ``answers`` >= 0, (``text_id``, end) under ``answers``."""
+    first = max(0, old_len - key_len)
+    for end in range(first + key_len - 1, new_len - 1):
+        k0 = start + end - key_len + 1
+        place[0] = end
+        file_candidate(pos, own, store, k0, k0 + key_len, place, 0, 1, 0)
+        if answers >= 0:
+            place[0], place[1] = text_id, end
+            file_candidate(pos, answers, store, k0, k0 + key_len, place, 0, 2, 0)
+
+
+@njit(cache=True)
+def forget_answer(pos, store, start, answer_start, length, key_len, answers, text_id):
+    """Drop every place of text ``text_id`` (its keys ending from ``answer_start`` - 1 on)
+    from the tenant's ``answers``."""
+    e_tok, e_next = pos[ST_E_TOK], pos[ST_E_NEXT]
+    first = max(0, answer_start - key_len)
+    for end in range(first + key_len - 1, length - 1):
+        k0 = start + end - key_len + 1
+        s = find_slot(pos, answers, store, k0, key_len)
+        if s < 0:
+            continue
+        e = pos[ST_S_HEAD][s]
+        while e >= 0:
+            nxt = e_next[e]
+            if e_tok[e, 0] == text_id:
+                remove_entry(pos, s, e)
+            e = nxt
+
+
+@njit(cache=True)
+def _depth(store, start, end, context, n_ctx):
+    """Tokens back from ``store[start + end]`` equal to the context's end, at most ``n_ctx``."""
+    depth = 0
+    while depth < n_ctx and end - depth >= 0 and store[start + end - depth] == context[n_ctx - 1 - depth]:
+        depth += 1
+    return depth
+
+
+@njit(cache=True)
+def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers, own_text, order):
+    """The deepest match of ``context[:n_ctx]``'s end at least ``key_len`` deep: in the
+    kept answers (places under ``answers``, other texts than ``own_text``, oldest
+    first) and then in the own text (positions under ``own``, oldest first), the latest
+    on ties. Returns (text id, end position, depth), depth 0 where none."""
+    best_text, best_end, best_depth = -1, -1, 0
+    if n_ctx < key_len:
+        return best_text, best_end, best_depth
+    k0 = n_ctx - key_len
+    if answers >= 0:
+        s = find_slot(pos, answers, context, k0, key_len)
+        if s >= 0:
+            count = by_recency(pos, s, order)
+            for i in range(count - 1, -1, -1):  # oldest first
+                text, end = pos[ST_E_TOK][order[i], 0], pos[ST_E_TOK][order[i], 1]
+                if text == own_text:
+                    continue
+                depth = _depth(store, t_start[text], end, context, n_ctx)
+                if depth >= best_depth:
+                    best_text, best_end, best_depth = text, end, depth
+    s = find_slot(pos, own, context, k0, key_len)
+    if s >= 0:
+        count = by_recency(pos, s, order)
+        for i in range(count - 1, -1, -1):
+            end = pos[ST_E_TOK][order[i], 0]
+            depth = _depth(store, t_start[own_text], end, context, n_ctx)
+            if depth >= best_depth:
+                best_text, best_end, best_depth = own_text, end, depth
+    if best_depth < key_len:
+        return -1, -1, 0
+    return best_text, best_end, best_depth
+

@@ -80,6 +80,24 @@ def test_random_streams_match_the_reference(name, shared_arena):
     _same_state(refs, pools, contexts[-200:])
 
 
+def test_filing_a_batch_of_ngrams_is_filing_each_in_turn():
+    rng = random.Random(5)
+    setting = SETTINGS["fafo"]
+    arena = native.PoolArena(**{k: v for k, v in setting.items()}, candidate_len=2)
+    refs, pools = _pair(setting, (0, 10), arena)
+    targets, ref_targets, ngrams = [], [], []
+    for _ in range(400):
+        which = rng.choice([(0,), (1,), (0, 1)])
+        targets.append(tuple(pools[i] for i in which))
+        ref_targets.append(tuple(refs[i] for i in which))
+        ngrams.append(([rng.randrange(4) for _ in range(rng.randrange(1, 6))],
+                       tuple(rng.randrange(5) for _ in range(rng.randrange(1, 7)))))
+    native.add_each_to_pools(targets, ngrams, native.Origin.LANE)
+    for targets_of, (context, candidate) in zip(ref_targets, ngrams):
+        reference.add_to_pools(targets_of, context, candidate, reference.Origin.LANE)
+    _same_state(refs, pools, [context for context, _ in ngrams])
+
+
 def test_pools_of_one_arena_are_isolated_and_freed():
     arena = native.PoolArena(3, 4)
     a, b = native.NgramPool(3, 4, arena=arena), native.NgramPool(3, 4, arena=arena)

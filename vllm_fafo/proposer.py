@@ -48,7 +48,7 @@ from vllm_fafo.control.goodput import BranchSet, StepOutcome, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
 from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor
-from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, add_to_pools
+from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, add_each_to_pools
 from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
 from vllm_fafo.drafting.shared_pool import TenantPools
@@ -393,10 +393,11 @@ class FafoProposer:
         if step.plan is None or not step.plan.tails:
             return
         assert self.lanes is not None and hidden_states is not None
+        targets, filed = [], []
         for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
-            pools = self._requests[req_id].pools
-            for context, ngram in ngrams:
-                add_to_pools(pools, context, ngram, Origin.LANE)
+            targets += [self._requests[req_id].pools] * len(ngrams)
+            filed += ngrams
+        add_each_to_pools(targets, filed, Origin.LANE)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""

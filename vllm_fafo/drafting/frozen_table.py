@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.drafting.pool import NgramPool, Origin, add_each_to_pools
 from vllm_fafo.errors import FafoConfigError
 
 FORMAT = "vllm-fafo-frozen-table/1"
@@ -48,7 +48,7 @@ def load_table(path: str, leader_len: int, follower_len: int) -> NgramPool:
         )
     capacity = max((len(followers) for _, followers in data["entries"]), default=1)
     pool = NgramPool(leader_len, capacity, min_key_len=leader_len, touch_on_lookup=False)
-    for leader, followers in data["entries"]:
-        for follower in followers:  # least frequent first: the most frequent is MRU
-            pool.add(leader, tuple(follower), Origin.FROZEN)
+    # least frequent first: the most frequent is MRU
+    ngrams = [(leader, tuple(follower)) for leader, followers in data["entries"] for follower in followers]
+    add_each_to_pools([(pool,)] * len(ngrams), ngrams, Origin.FROZEN)
     return pool

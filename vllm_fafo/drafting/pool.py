@@ -354,6 +354,32 @@ def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: 
         kernels.file_candidate(arena.state, pool.owner, context, 0, len(context), candidate, 0, len(candidate), code)
 
 
+def add_each_to_pools(pools: Sequence[Sequence[NgramPool]], ngrams: Sequence[tuple[Sequence[int], Candidate]],
+                      origin: Origin) -> None:
+    """:func:`add_to_pools` of each (context, candidate) in ``ngrams`` into its ``pools``
+    (one or two pools of one arena each time), in order, in one kernel call."""
+    if not ngrams:
+        return
+    arena = pools[0][0].arena
+    count = len(ngrams)
+    context_len = max(len(context) for context, _ in ngrams) or 1
+    candidate_len = max(len(candidate) for _, candidate in ngrams) or 1
+    owners = np.full((count, 2), -1, dtype=np.int64)
+    contexts = np.zeros((count, context_len), dtype=np.int32)
+    candidates = np.zeros((count, candidate_len), dtype=np.int32)
+    context_lens = np.zeros(count, dtype=np.int64)
+    candidate_lens = np.zeros(count, dtype=np.int64)
+    for i, (targets, (context, candidate)) in enumerate(zip(pools, ngrams)):
+        if any(pool.arena is not arena for pool in targets):
+            raise ValueError("add_each_to_pools: every pool must live in one arena")
+        owners[i, : len(targets)] = [pool.owner for pool in targets]
+        contexts[i, : len(context)] = context
+        candidates[i, : len(candidate)] = candidate
+        context_lens[i], candidate_lens[i] = len(context), len(candidate)
+    arena.reserve(2 * count * arena.max_key_len, candidate_len)
+    kernels.file_each(arena.state, owners, contexts, context_lens, candidates, candidate_lens, ORIGIN_CODE[origin])
+
+
 def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int | None = None) -> Match | None:
     """A candidate under the longest suffix of ``context`` any pool (one or two) holds one
     under. A candidate found in the second pool is reported as :attr:`Origin.SHARED`.

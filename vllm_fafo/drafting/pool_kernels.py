@@ -106,6 +106,18 @@ def _append_key(st, s, owner):
 
 
 @njit(cache=True)
+def file_each(st, owners, contexts, context_lens, candidates, candidate_lens, origin):
+    """:func:`file_candidate` of ``candidates[i, :candidate_lens[i]]`` under the suffixes
+    of ``contexts[i, :context_lens[i]]`` into ``owners[i, 0]``, then ``owners[i, 1]``
+    (-1: none), in row order: a step's lane n-grams in one call."""
+    for i in range(len(context_lens)):
+        for j in range(owners.shape[1]):
+            if owners[i, j] >= 0:
+                file_candidate(st, owners[i, j], contexts[i], 0, context_lens[i], candidates[i], 0,
+                               candidate_lens[i], origin)
+
+
+@njit(cache=True)
 def refresh_key(st, s):
     """Move a key to its owner's most recently used end, where the owner bounds its keys."""
     owner = st[ST_S_OWNER][s]

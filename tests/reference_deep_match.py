@@ -1,36 +1,10 @@
 """The tests' reference deep matches: plain Python and numpy, the semantics the native
 ones (vllm_fafo.drafting.deep_match, numba kernels in vllm_fafo.drafting.text_kernels)
-must keep. This was the plugin's until the native one replaced it (2026-12-02);
-tests/test_deep_match.py drives both alike.
-
-Deep matches of a request's current suffix in its own text and its tenant's answers.
-
-The pool files candidates under keys of at most ``max_key_len`` (4) tokens,
-so a lookup cannot tell a continuation that followed the same 4 tokens by
-chance from one that followed the same 20: both are "found under a 4-token
-key", and the goodput controller cuts both drafts alike. Deep matches look
-up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does,
-with numpy and the standard library:
-
-- :class:`TextIndex` keeps one text (a request's prompt and output) and, for
-  every ``key_len``-token key of it, the latest ``MAX_POSITIONS`` places the
-  key ended.
-- :class:`TextCache` is one tenant's: the running requests' indexes and an
-  index of the answers (outputs) of its requests, running and finished, by
-  the same keys. A lookup takes the places the text's last ``key_len``
-  tokens ended, in the request's own text and in the answers, compares the
-  tokens before each with the text's end, up to ``MATCH_DEPTH`` back, and
-  drafts the continuation of the deepest match (the request's own text on
-  ties, then the latest), with the depth as the goodput controller's
-  evidence.
-- :class:`TenantTexts` keeps one :class:`TextCache` per tenant (vLLM's
-  ``cache_salt``) and bounds the answers kept over all tenants.
-
-Work per draft is bounded by ``2 x MAX_POSITIONS x MATCH_DEPTH`` compares,
-flat in the text's length; indexing is per decoded token. On MT-Bench,
-HumanEval and GSM8K (benchmarks/replay_pool.py, 2026-12-02) deep matches add
-0.3 %, 1.5 % and 1.3 % to the pool's tau; Arctic Inference's suffix trees in
-their place lost 11-17 % and were removed.
+must keep; this was the plugin's until the native one replaced it (2026-12-02).
+tests/test_native_pool.py drives both alike through a whole step. The one
+difference: where more requests run than answers are kept, the oldest running
+request's answer is evicted and its next ``draft`` here raises ``KeyError`` (the
+native one goes on in its own text).
 """
 
 from __future__ import annotations
@@ -42,11 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-MATCH_DEPTH = 24
-"""Deepest match looked for (as vLLM ``suffix``'s ``suffix_decoding_max_tree_depth``)."""
-MAX_POSITIONS = 8
-"""Latest places per key compared, in the own text and in the answers (the pool's
-default ``pool_capacity``)."""
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH, MAX_POSITIONS
 
 
 class TextIndex:

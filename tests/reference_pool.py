@@ -12,33 +12,12 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from enum import Enum
-from typing import NamedTuple
 
-
-class Origin(str, Enum):
-    """Where a candidate came from; counted separately in the metrics."""
-
-    PROMPT = "prompt"
-    OUTPUT = "output"
-    LANE = "lane"
-    FROZEN = "frozen"  # Cacheback's offline table
-    SHARED = "shared"  # another request's text or lanes, via the shared pool
-    DEEP_MATCH = "deep_match"  # the own text or the tenant's answers, matched deep (vllm_fafo.drafting.deep_match)
-    PAD = "pad"  # filler after the found draft (pad_drafts)
-    PRIOR = "prior"  # the target's continuation of the text's last token (vllm_fafo.drafting.prior_table)
-
-
-Candidate = tuple[int, ...]
+from vllm_fafo.drafting.pool import GUESS_VOTES, RANKINGS, Candidate, Match, Origin
 
 _ORIGINS = tuple(Origin)
 _ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
 _TOKEN_BYTES = array("i").itemsize
-RANKINGS = ("votes", "recency")
-"""How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
-GUESS_VOTES = 2
-"""Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
-replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
 
 
 def _packed(tokens: Sequence[int]) -> bytes:
@@ -57,15 +36,6 @@ def _packed(tokens: Sequence[int]) -> bytes:
 
 def _unpacked(packed: bytes) -> Candidate:
     return tuple(array("i", packed))
-
-
-class Match(NamedTuple):
-    """A lookup's answer: the candidate, where it came from, and the length of the
-    key it was found under (the goodput controller's evidence for how far to draft)."""
-
-    candidate: Candidate
-    origin: Origin
-    key_len: int
 
 
 class NgramPool:

@@ -19,7 +19,7 @@ The same class, configured, is the pool of every method the plugin runs:
 Pools are native: every pool of an engine is an owner in one
 :class:`PoolArena` of numpy arrays worked by numba kernels
 (:mod:`vllm_fafo.drafting.pool_kernels`), so that one call per step files and
-drafts for the whole batch (:func:`vllm_fafo.drafting.pool_kernels.file_and_draft`),
+drafts for the whole batch (:func:`vllm_fafo.drafting.step_kernel.file_and_draft`),
 as vLLM's ``ngram`` proposer is one numba kernel. :class:`NgramPool` is a
 request's handle on its owner, for everything outside the step's kernel
 (lanes, the draft tree, the modes, tests). The plain Python pool these

@@ -266,3 +266,33 @@ def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_
     length = int(found.lengths[0])
     return (found.tokens[0, :length].tolist(), [native.ORIGINS[c] for c in found.origins[0, :length].tolist()],
             int(found.key_lens[0]))
+
+
+KERNELS_LOADED_AT_START = """
+import numba
+from vllm_fafo.drafting import pool_kernels, step_kernel, text_kernels
+from tests.test_proposer import FakeBatch, make_proposer
+
+kernels = [f for m in (pool_kernels, text_kernels, step_kernel) for f in vars(m).values()
+           if isinstance(f, numba.core.registry.CPUDispatcher)]
+proposer = make_proposer(deep_match=True, share_pool=True)  # the engine's start: load_kernels
+before = {f.__name__: len(f.signatures) for f in kernels}
+batch = FakeBatch()
+batch.add("a", [1, 2, 3, 4, 5, 1, 2, 3, 4, 6] * 4)
+batch.add("b", [7, 8, 9] * 5, cache_salt="t")
+for _ in range(6):
+    batch.step(proposer, [[1, 2], [7]])
+proposer.remove_requests(["a", "b"])
+after = {f.__name__: len(f.signatures) for f in kernels}
+assert after == before, {name: (before[name], after[name]) for name in after if after[name] != before[name]}
+"""
+
+
+def test_the_engine_start_loads_every_kernel_a_step_runs():
+    """No kernel meets a new argument type in a request's steps (numba would load or
+    compile it there, 0.3 s and more): a fresh process, so no other test loaded one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    subprocess.run([sys.executable, "-c", KERNELS_LOADED_AT_START], check=True, cwd=Path(__file__).parent.parent)

@@ -47,7 +47,7 @@ from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import BranchSet, StepOutcome, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
-from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor
+from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
 from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, add_each_to_pools
 from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
@@ -219,6 +219,7 @@ class FafoProposer:
             self.config.frozen_table, self.config.max_key_len, self.config.ngram_len)
         prior = None if self.config.prior_table == PRIOR_TABLE_OFF else resolve_prior_table(
             self.config.prior_table, vllm_config.model_config.model, vllm_config.model_config.get_vocab_size())
+        load_kernels(self.config)
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""

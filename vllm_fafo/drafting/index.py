@@ -20,7 +20,7 @@ import numpy as np
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.drafting import step_kernel
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
-from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, PoolArena
+from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, PoolArena, add_each_to_pools, alternatives_in
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.shared_pool import TenantPools
 
@@ -149,3 +149,18 @@ class DraftIndex:
             self.shared.clear()
         if self.texts is not None:
             self.texts.clear()
+
+
+def load_kernels(config: FafoConfig) -> None:
+    """Run the draft index's kernels once, on a throwaway index with ``config``'s settings,
+    so that numba loads them (on a new machine: compiles them, into its cache) while the
+    engine starts, not in its first request's step: loading took about 0.3 s and 66 MiB
+    of resident memory on the 2-core CPU machine (docs/results/host-time.md)."""
+    index = DraftIndex(config)
+    history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
+    pools = index.new_pools("warm-up", None, history[0, :32])
+    index.draft_batch(["warm-up"], [pools], history, np.zeros(1, dtype=np.int64), np.array([40]), np.array([32]),
+                      np.zeros(1, dtype=np.int64), np.array([4]))
+    add_each_to_pools([pools], [([1, 2], (3, 4))], Origin.LANE)
+    list(alternatives_in(pools, [1, 2]))
+    index.stop("warm-up")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from vllm_fafo.cache import cache_dir
-from vllm_fafo.drafting.pool import Candidate, Match, Origin
+from vllm_fafo.drafting.pool import Candidate
 from vllm_fafo.errors import FafoConfigError
 from vllm_fafo.log import init_logger
 
@@ -81,13 +81,6 @@ class PriorTable:
         if not 0 <= token < len(self._rows):
             return ()
         return tuple(self._rows[token, : self._lengths[token]].tolist())
-
-    def match(self, context: list[int]) -> Match | None:
-        """:func:`vllm_fafo.drafting.pool.match_pools`'s answer for the text's last token: found
-        under a key of 0 tokens of the text (the goodput controller's bucket for drafts
-        not found in the text)."""
-        candidate = self.continuation(context[-1]) if context else ()
-        return Match(candidate, Origin.PRIOR, 0) if candidate else None
 
 
 def default_path(model: str) -> Path:

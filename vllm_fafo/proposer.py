@@ -502,11 +502,11 @@ class FafoProposer:
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
         self.metrics.record_drafts(found.origins, found.lengths)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for i, (row, state, draft, length) in enumerate(zip(decoding.tolist(), states, found_drafts,
-                                                            found.lengths.tolist())):
+        for i, (row, state, tokens, length) in enumerate(zip(decoding.tolist(), states, found.tokens.tolist(),
+                                                             found.lengths.tolist())):
             state.next_anchor = int(next_anchors[i])
             state.last_draft_origins = found.origins[i, :length]
-            drafts[row] = draft[:length] if length <= len(draft) else found.tokens[i, :length].tolist()
+            drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)
             if self.tree_enabled and req_ids[row] in step.tree_eligible:
                 state.branches = grow_branches(
                     state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),

@@ -133,7 +133,6 @@ class PoolArena:
         free = self._grown(old.get("free"), (size,), np.int32, 0)
         top = int(self._counters[kernels.CNT_SLOT_FREE])
         added = np.arange(size - 1, old_size - 1, -1, dtype=np.int32)  # lowest index taken first
-        free[top + len(added) :] = 0
         free[top : top + len(added)] = added
         self._slots["free"] = free
         self._counters[kernels.CNT_SLOT_FREE] = top + len(added)

@@ -5,10 +5,9 @@ and their tenants' shared pools (one :class:`~vllm_fafo.drafting.pool.PoolArena`
 the deep matches' texts (:class:`~vllm_fafo.drafting.deep_match.TenantTexts`),
 Cacheback's frozen table and the prior table. Once per step
 :meth:`DraftIndex.draft_batch` files the n-grams every decoding request
-completed and drafts for all of them, in one numba call
-(:func:`~vllm_fafo.drafting.pool_kernels.file_and_draft`) after the deep
-matches; the proposer and the pool replay (benchmarks/replay_pool.py) both
-draft through it.
+completed, feeds and matches the deep matches' texts and drafts for all of
+them, in one numba call (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`);
+the proposer and the pool replay (benchmarks/replay_pool.py) both draft through it.
 """
 
 from __future__ import annotations
@@ -78,13 +77,12 @@ class DraftIndex:
         rows = np.zeros((0, 1), dtype=np.int32) if prior is None else prior.rows
         self._prior = np.ascontiguousarray(rows, dtype=np.int32)
         self._prior_lens = np.zeros(0, dtype=np.int32) if prior is None else prior.lengths.astype(np.int32)
-        self._scratch = self.arena.scratch
+        self._scratch = frozen.arena.scratch if frozen is not None and frozen.capacity > self.arena.capacity \
+            else self.arena.scratch
         empty = np.zeros(0, dtype=np.int64)
         self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, empty, 1,
                           False)
         """The kernel's deep-match arguments where there are none (the modes)."""
-        if frozen is not None and frozen.capacity > self.arena.capacity:
-            self._scratch = frozen.arena.scratch
 
     def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
         """A new request's pools (its own, then its tenant's shared one); its prompt is

@@ -202,7 +202,7 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
     """Lanes force eager mode and drafts of varying length make steps vLLM runs piecewise:
     on CUDA the default is pool only with padded 16-token drafts under the fixed controller;
     keys set by the user keep their values, and so do the others' CPU defaults where the
-    user asks for lanes, a draft tree or the goodput controller."""
+    user asks for lanes or a draft tree; the goodput controller asked for picks a padded tier per step."""
     from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
     from vllm_fafo.patches import engine_args
 
@@ -226,9 +226,12 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
     assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": False})[1]) == (0, "fixed", 16, False)
     assert knobs(translated("cuda", {"method": "fafo", "pad_drafts": True})[1]) == (0, "fixed", 16, True)
     assert knobs(translated("cuda", {"method": "fafo", "num_speculative_tokens": 4})[1]) == (0, "fixed", 4, True)
-    with pytest.raises(FafoConfigError, match="pad_drafts.*needs controller 'fixed'"):
-        translated("cuda", {"method": "fafo", "pad_drafts": True, "controller": "goodput"})
-    assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput"})[1]) == (0, "goodput", 16, False)
+    # the goodput controller picks one padded draft length (tier) per step
+    assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput"})[1]) == (0, "goodput", 16, True)
+    assert knobs(translated("cuda", {"method": "fafo", "controller": "goodput", "pad_drafts": False})[1]) == (
+        0, "goodput", 16, False)
+    with pytest.raises(FafoConfigError, match="pad_drafts.*needs num_candidates 1"):
+        translated("cuda", {"method": "fafo", "pad_drafts": True, "num_candidates": 2})
     tree_args, tree = translated("cuda", {"method": "fafo", "num_candidates": 4})
     assert knobs(tree) == (0, "goodput", 16, False) and tree_args.enforce_eager
     for spec in ({"method": "fafo", "num_lanes": 16}, {"method": "fafo", "num-lanes": 16}):

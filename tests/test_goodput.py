@@ -22,6 +22,7 @@ from vllm_fafo.control.goodput import (
     StepCostModel,
     StepOutcome,
     YieldEstimates,
+    draft_tiers,
     evidence_rows,
     isotonic_fit,
     make_controller,
@@ -633,3 +634,78 @@ def test_draft_yields_decay_per_verified_draft_not_per_step():
     first_hits = 0.99 ** 32
     np.testing.assert_allclose(batched.position_hits[1], [first_hits] * 4)
     np.testing.assert_allclose(serial.position_hits[1], [first_hits] * 4)
+
+
+# Padded draft tiers (pad_drafts under the goodput controller) -----------------------------
+TIERS = draft_tiers(16)
+
+
+def simulate_tiers(cost: Callable[[int, int], float], requests: int, accept: float, steps: int,
+                   controller: GoodputController | None = None, fixed_tier: int | None = None,
+                   seed: int = 0) -> tuple[float, list[int]]:
+    """Uniform decode steps of ``requests`` requests whose found drafts are all 16 tokens,
+    each position accepted with ``accept`` once the ones before were; a step of tier t
+    costs ``cost(requests, t)`` seconds. Returns (tokens per second, the tiers chosen)."""
+    rng = np.random.default_rng(seed)
+    controller = controller or GoodputController(LANE_LEN, 16, MAX_KEY_LEN)
+    tokens = seconds = 0.0
+    chosen = []
+    key_lens = np.full(requests, MAX_KEY_LEN)
+    for _ in range(steps):
+        tier = fixed_tier if fixed_tier is not None else controller.choose_tier(
+            requests, key_lens, np.full(requests, 16), TIERS)
+        chosen.append(tier)
+        runs = np.minimum(rng.geometric(1 - accept, requests) - 1, 16)  # the text matches this much of each draft
+        accepted = np.minimum(runs, tier)
+        step_seconds = cost(requests, tier)
+        tokens += requests + accepted.sum()
+        seconds += step_seconds
+        controller.observe(StepOutcome(
+            tokens=requests * (1 + tier), seconds=step_seconds, lane_tokens=0, lane_accepted=0,
+            text_accepted=int(accepted.sum()), decoding_requests=requests, draft_lengths=np.full(requests, 16),
+            accepted_lengths=runs, key_lens=key_lens, uniform_draft_len=tier))
+    return tokens / seconds, chosen
+
+
+def gpu_like(requests: int, tier: int) -> float:
+    """A graphed step: flat up to a knee of 512 tokens, then a cost per token."""
+    return (4.0 + 0.02 * max(0, requests * (1 + tier) - 512)) / 1000
+
+
+def test_draft_tiers_are_the_fixed_ones_up_to_the_longest_draft_and_it():
+    assert draft_tiers(16).tolist() == [0, 4, 8, 16]
+    assert draft_tiers(6).tolist() == [0, 4, 6]
+    assert draft_tiers(32).tolist() == [0, 4, 8, 16, 32]
+    assert draft_tiers(1).tolist() == [0, 1]
+
+
+def test_tier_is_the_longest_where_tokens_are_free_and_none_where_drafts_do_not_pay():
+    _, chosen = simulate_tiers(gpu_like, 1, accept=0.8, steps=200)
+    assert np.mean(np.array(chosen[50:]) == 16) > 0.9
+    _, chosen = simulate_tiers(gpu_like, 256, accept=0.05, steps=300)  # 256 x 17 tokens: far past the knee
+    assert np.mean(np.array(chosen[100:]) == 0) > 0.9
+
+
+@pytest.mark.parametrize("requests, accept", [(1, 0.8), (8, 0.6), (32, 0.5), (64, 0.3), (128, 0.6)])
+def test_tiers_chosen_come_near_the_best_fixed_tier(requests, accept):
+    best = max(simulate_tiers(gpu_like, requests, accept, 400, fixed_tier=tier)[0] for tier in TIERS.tolist())
+    realised, _ = simulate_tiers(gpu_like, requests, accept, 400)
+    assert realised >= 0.93 * best
+
+
+def test_a_tier_is_priced_by_its_own_steps_not_by_its_token_count():
+    """Tier 8's graphs are missing on this machine (its steps cost 3x): the token curve
+    would price it between 4 and 16, its own steps teach the controller to skip it."""
+    def missing_graph(requests: int, tier: int) -> float:
+        return gpu_like(requests, tier) * (3.0 if tier == 8 else 1.0) + 0.0002 * requests * tier / 1000
+
+    controller = GoodputController(LANE_LEN, 16, MAX_KEY_LEN)
+    _, chosen = simulate_tiers(missing_graph, 24, accept=0.55, steps=300, controller=controller)
+    assert 8 in chosen[:50]  # tried while unpriced
+    assert chosen[100:].count(8) == 0
+    assert controller.tier_cost[8].predict(24) > 2.5 * controller.tier_cost[16].predict(24)
+    assert set(controller.summary()["tier_cost"]) >= {"8", "16"}
+
+
+def test_fixed_controller_keeps_the_longest_tier():
+    assert FixedController(16).choose_tier(1, np.ones(2), np.array([3, 0]), TIERS) == 16

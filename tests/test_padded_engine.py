@@ -14,13 +14,15 @@ from .sampling_stats import assert_same_distribution
 
 pytestmark = pytest.mark.engine
 
-PADDED_SPEC = {"method": "fafo", "num_lanes": 0, "controller": "fixed", "num_speculative_tokens": 4,
+PADDED_SPEC = {"method": "fafo", "num_lanes": 0, "controller": "goodput", "num_speculative_tokens": 8,
                "pad_drafts": True, "prior_table": "off"}
-"""The CUDA default's kind of draft (pool only, fixed controller, padded) at 4 tokens (the
-default's 16 would cost this CPU run 12 more tokens per request-step), without the prior
-table: the table continues every draft to its full length (0 filler tokens in this test's
-batch-1 run with it, every output identical to plain vLLM's), so with it the filler would
-go untested."""
+"""The CUDA kind of draft (pool only, padded), with the goodput controller choosing one
+draft length per step for the whole batch (0, 4 or 8: the tiers up to 8; the default's
+16 would cost this CPU run more tokens per request-step), without the prior table: the
+table continues every draft to its full length (0 filler tokens in a batch-1 run with it,
+every output identical to plain vLLM's), so with it the filler would go untested. The
+fixed controller's padding (always ``num_speculative_tokens``) is the same code with the
+longest tier every step (tests/test_proposer.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,13 @@ def test_mixed_call_identical_to_plain_with_every_draft_padded(padded_run, plain
     proposed = sum(_grew(padded_run, "proposed_tokens", origin) for origin in padded_run["metrics_after"]["proposed_tokens"])
     found = sum(_grew(padded_run, "accepted_tokens", origin)
                 for origin in padded_run["metrics_after"]["accepted_tokens"] if origin != "pad")
-    assert lookups > 0 and proposed == PADDED_SPEC["num_speculative_tokens"] * lookups
+    before = padded_run["metrics_before"]["padded_request_steps"]
+    tiers = {int(tier): steps - before.get(tier, 0)
+             for tier, steps in padded_run["metrics_after"]["padded_request_steps"].items()}
+    print("request-steps by padded draft length:", tiers)
+    # every decoding request of a step drafted exactly the step's tier
+    assert lookups > 0 and sum(tiers.values()) == lookups
+    assert proposed == sum(tier * request_steps for tier, request_steps in tiers.items())
     assert found > 0 and _grew(padded_run, "proposed_tokens", "pad") > 0
 
 

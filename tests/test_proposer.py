@@ -43,13 +43,13 @@ class FakeBatch:
         self.token_ids[row, : len(prompt)] = prompt
         self.num_tokens[row] = len(prompt)
 
-    def step(self, proposer, sampled_per_row, before_sampling=None):
+    def step(self, proposer, sampled_per_row, before_sampling=None, num_scheduled_tokens=0):
         """One step; ``before_sampling(proposer)`` runs where vLLM's runner samples."""
         for row, sampled in enumerate(sampled_per_row):
             n = self.num_tokens[row]
             self.token_ids[row, n : n + len(sampled)] = sampled
             self.num_tokens[row] += len(sampled)
-        proposer.begin_step((), 0, self.scheduled_drafts, self.new_requests)
+        proposer.begin_step((), num_scheduled_tokens, self.scheduled_drafts, self.new_requests)
         self.new_requests = {}
         if before_sampling is not None:
             before_sampling(proposer)
@@ -123,6 +123,44 @@ def test_padded_drafts_are_num_speculative_tokens_long_found_tokens_first():
     assert (metrics.lookups, metrics.pool_hits) == (3, 1)
     assert metrics.proposed_tokens["pad"] == 2 + 4 + 2
     assert metrics.proposed_tokens["prompt"] == 2
+
+
+def test_padded_drafts_under_the_goodput_controller_take_its_one_tier_for_the_batch(monkeypatch):
+    """``pad_drafts`` with the goodput controller: every request drafts the tier the
+    controller chose (found tokens cut to it, the rest filler), and a uniform step of
+    that tier teaches the controller that tier's cost."""
+    proposer = make_proposer(num_speculative_tokens=8, max_key_len=2, text_ngram_len=2, pad_drafts=True,
+                             controller="goodput")
+    asked = []
+    monkeypatch.setattr(proposer.controller, "choose_tier",
+                        lambda step_tokens, key_lens, available, tiers: asked.append(
+                            (available.tolist(), tiers.tolist())) or 4)
+    batch = FakeBatch()
+    batch.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    batch.add("b", [5, 6, 7, 8])
+    assert batch.step(proposer, [[3], [9]]) == [[4, 5, 6, 7], [9, 9, 9, 9]]
+    assert asked == [([8, 0], [0, 4, 8])]
+    assert proposer.controller.tier_cost == {}
+    batch.step(proposer, [[4, 5], [9]], num_scheduled_tokens=2 * (1 + 4))
+    assert list(proposer.controller.tier_cost) == [4] and proposer.controller.tier_cost[4].has_data
+
+
+@pytest.mark.parametrize("num_scheduled_tokens, drafts, tail, expected", [
+    (2 * 5, {"a": [1] * 4, "b": [2] * 4}, 0, 4),
+    (2, {}, 0, 0),  # tier 0: plain vLLM's decode step
+    (2, {"a": [], "b": []}, 0, 0),
+    (9, {"a": [1] * 4, "b": [2] * 3}, 0, -1),  # a draft cut by vLLM's token budget
+    (6, {"a": [1] * 4}, 0, -1),  # a request without drafts
+    (2 * 5 + 7, {"a": [1] * 4, "b": [2] * 4}, 0, -1),  # a prefill chunk in the step
+    (2 * 5, {"a": [1] * 4, "b": [2] * 4}, 12, -1),  # lanes or branches behind the tokens
+])
+def test_uniform_draft_len_only_for_a_uniform_decode_batch_and_nothing_else(num_scheduled_tokens, drafts, tail,
+                                                                           expected, monkeypatch):
+    from vllm_fafo.proposer import FafoStep, _uniform_draft_len
+
+    step = FafoStep(num_scheduled_tokens, drafts, 0.0)
+    monkeypatch.setattr(FafoStep, "tail_tokens", tail)
+    assert _uniform_draft_len(step, decoding_requests=2) == expected
 
 
 def test_seed_from_prompt_false_ignores_prompt_ngrams():

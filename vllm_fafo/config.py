@@ -93,13 +93,16 @@ class FafoConfig:
     (vllm_fafo.drafting.deep_match; the oldest is dropped; vLLM ``suffix``'s default); 0, or
     ``share_pool`` false: each request matches in its own text only."""
     pad_drafts: bool = False
-    """Fill every decoding request's draft up to ``num_speculative_tokens`` with filler
-    tokens (the draft's last token repeated, the text's where nothing was found;
-    verification stops at the first token the target does not produce, so filler is
-    lossless), so that each decode step gives every request the same number of tokens:
-    the uniform batch that vLLM's V1 runner replays as one whole CUDA graph (a step with
-    drafts of different lengths runs piecewise, attention launched layer by layer).
-    Needs ``controller`` ``fixed`` and ``num_candidates`` 1 (docs/results/step-cost.md, docs/results/gpu.md)."""
+    """Give every decoding request of a step the same number of draft tokens, its found
+    draft filled up with filler tokens (the draft's last token repeated, the text's where
+    nothing was found; verification stops at the first token the target does not
+    produce, so filler is lossless): the uniform batch that vLLM's V1 runner replays as
+    one whole CUDA graph (a step with drafts of different lengths runs piecewise,
+    attention launched layer by layer). Under the ``fixed`` controller every step drafts
+    ``num_speculative_tokens``; under ``goodput`` the controller picks one length per
+    step for the whole batch from 0, 4, 8, 16 up to ``num_speculative_tokens``
+    (vllm_fafo.control.goodput.DRAFT_TIERS). Needs ``num_candidates`` 1
+    (docs/results/step-cost.md, docs/results/gpu.md)."""
     prior_table: str = "auto"
     """Where the text has no candidate, draft the target's own continuation of the text's
     last token from a table built once per model (vllm_fafo.drafting.prior_table): ``auto`` the
@@ -227,12 +230,10 @@ class FafoConfig:
         check_int("cached_answers", self.cached_answers, 0, 0x7FFFFFFF)
         check_bool("pad_drafts", self.pad_drafts)
         check_prior_table(self.prior_table)
-        if self.pad_drafts and (self.controller != "fixed" or self.num_candidates != 1):
+        if self.pad_drafts and self.num_candidates != 1:
             raise FafoConfigError(
-                f"speculative_config['pad_drafts']=True needs controller 'fixed' and num_candidates 1 "
-                f"(got controller {self.controller!r}, num_candidates {self.num_candidates}): padded "
-                "drafts cost the same whatever the goodput controller cuts, and draft-tree branches "
-                "change each step's token count"
+                f"speculative_config['pad_drafts']=True needs num_candidates 1 (got {self.num_candidates}): "
+                "draft-tree branches change each step's token count"
             )
         if self.deep_match and self.max_key_len >= MATCH_DEPTH:
             raise FafoConfigError(
@@ -326,15 +327,19 @@ MAX_GRAPH_TOKENS_HOPPER = 512
 def platform_defaults(asked: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
     """The platform's defaults of :data:`PLATFORM_KEYS` that ``asked`` (the user's keys, as
     field names) does not set. CPU: the dataclass's (goodput controller, 16 lanes, drafts
-    up to 16). CUDA: no lanes, and padded 16-token drafts under the fixed controller unless
-    lanes, a draft tree or the goodput controller are asked for (then the others keep the
-    CPU defaults)."""
+    up to 16). CUDA: no lanes, and padded drafts unless lanes or a draft tree are asked
+    for (then the others keep the CPU defaults): 16 tokens under the fixed controller,
+    or, where the goodput controller is asked for, the tier it picks per step (0, 4, 8
+    or 16 tokens for the whole batch). The goodput controller becomes the CUDA default
+    once a GPU run shows its tiers level with the fixed 16 at batch 1 and ahead of it
+    from batch 8 on (not measured yet)."""
     if not on_cuda:
         return {key: getattr(FafoConfig, key) for key in PLATFORM_KEYS if key not in asked}
     defaults = dict(CUDA_DEFAULTS)
-    if (asked.get("num_lanes", 0) == 0 and asked.get("num_candidates", 1) == 1
-            and asked.get("controller", "fixed") == "fixed"):
+    if asked.get("num_lanes", 0) == 0 and asked.get("num_candidates", 1) == 1:
         defaults |= CUDA_PADDED_DEFAULTS
+        if asked.get("controller", "fixed") != "fixed":
+            del defaults["controller"]
     return {key: value for key, value in defaults.items() if key not in asked}
 
 

@@ -44,7 +44,7 @@ from vllm.config import VllmConfig
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
 from vllm_fafo.control.draft_judge import DraftJudge
-from vllm_fafo.control.goodput import BranchSet, StepOutcome, make_controller
+from vllm_fafo.control.goodput import BranchSet, StepOutcome, draft_tiers, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
 from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
@@ -169,6 +169,17 @@ class FafoStep:
         return self.lane_tokens + (self.branches.num_tokens if self.branches is not None else 0)
 
 
+def _uniform_draft_len(step: FafoStep, decoding_requests: int) -> int:
+    """The draft length every request of ``step`` decoded with, where the step was that
+    uniform decode batch and nothing else (no prefill, lanes or branches); -1 otherwise.
+    What a tier's cost is learned from (:meth:`GoodputController.choose_tier`)."""
+    lengths = set(map(len, step.scheduled_spec_tokens.values())) or {0}
+    if len(lengths) > 1 or step.tail_tokens:
+        return -1
+    draft_len = lengths.pop()
+    return draft_len if step.num_scheduled_tokens == decoding_requests * (1 + draft_len) else -1
+
+
 class FafoProposer:
     """Proposes one draft chain per request per step (FAFO Alg. 3), the spine of a
     draft tree where ``num_candidates`` > 1.
@@ -193,6 +204,8 @@ class FafoProposer:
         self.metrics = FafoMetrics()
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           longest_match(self.config))
+        self.draft_tiers = draft_tiers(self.num_speculative_tokens)
+        """The draft lengths a padded step may take (``pad_drafts``), ascending."""
         self.judge = DraftJudge(self.num_speculative_tokens)
         """Every found draft, judged against the text: what the controller learns draft yields from."""
         self.clock: Callable[[], float] = time.perf_counter
@@ -496,10 +509,17 @@ class FafoProposer:
                     self.judge.judge(decoding_rows, num_tokens_no_spec, token_ids_cpu))
         found_drafts = [tokens[:length] for tokens, length in zip(found.tokens.tolist(), found.lengths.tolist())]
         self.judge.add(list(decoding_rows), num_tokens, found_drafts, found.key_lens)
-        lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
-        np.minimum(found.lengths, lengths, out=found.lengths)
-        if self.config.pad_drafts:  # every request the same tokens: a uniform decode batch
+        if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
+            tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,
+                                               self.draft_tiers)
+            np.minimum(rooms, tier, out=rooms)
+            np.minimum(found.lengths, rooms, out=found.lengths)
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
+            self.metrics.record_padded_step(tier, len(decoding))
+            lengths = found.lengths
+        else:
+            lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
+            np.minimum(found.lengths, lengths, out=found.lengths)
         self.metrics.record_drafts(found.origins, found.lengths)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, (row, state, tokens, length) in enumerate(zip(decoding.tolist(), states, found.tokens.tolist(),
@@ -597,6 +617,7 @@ class FafoProposer:
             accepted_lengths=judged[1],
             key_lens=judged[2],
             tree_tokens=0 if step.branches is None else step.branches.num_tokens,
+            uniform_draft_len=_uniform_draft_len(step, decoding_requests),
             branch_ranks=trials[:, 0],
             branch_lengths=trials[:, 1],
             branch_matches=trials[:, 2],

@@ -95,6 +95,21 @@ TAIL_WORTH = 0.25
 matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 
 
+DRAFT_TIERS = (0, 4, 8, 16)
+"""Draft lengths a padded step may take under the goodput controller (``pad_drafts``),
+``num_speculative_tokens`` added where it is not one of them: each is a uniform decode
+batch, so on CUDA each is one set of whole graphs (vllm_fafo.patches.cudagraph_dispatcher),
+and 0 is plain vLLM's step. A padded step of 16 drafts cost about what one of 4 did at
+batch 1 on the H200 (docs/results/gpu.md "Padded draft length"), so a tier between them
+pays only where the batch makes tokens dear; each tier costs one more capture per batch
+size."""
+
+
+def draft_tiers(max_draft: int) -> np.ndarray:
+    """The padded steps' draft lengths (:data:`DRAFT_TIERS` up to ``max_draft``, and ``max_draft``), ascending."""
+    return np.unique(np.array([tier for tier in DRAFT_TIERS if tier <= max_draft] + [max_draft], dtype=np.int64))
+
+
 LANE_YIELD_UNSEEN = 0.05
 """Accepted lane-n-gram tokens per lane token a probe is judged by before any lane ran:
 six to seven times what lanes earned with lanes pinned on (SmolLM2 on the CPU, MT-Bench
@@ -213,6 +228,7 @@ class StepOutcome:
     accepted_lengths: np.ndarray  # their tokens the text matched from the first on
     key_lens: np.ndarray  # length of the key each was found under (0: none)
     tree_tokens: int = 0  # draft-tree branch tokens in the forward
+    uniform_draft_len: int = -1  # every request decoded with this many drafts, nothing else ran (-1: not so)
     # draft-tree branches off the node where their spine stopped, one entry each:
     branch_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # place among siblings
     branch_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens
@@ -455,6 +471,11 @@ class FixedController:
         """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
         return np.asarray(available, dtype=np.int64)
 
+    def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
+        """The longest tier (``num_speculative_tokens``): today's padded drafts."""
+        self.last.draft_len = int(tiers[-1])
+        return self.last.draft_len
+
     def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
         """Every branch as grown (``num_candidates`` and ``max_tree_tokens`` bound them)."""
         return np.asarray(branches.lengths, dtype=np.int64)
@@ -490,6 +511,10 @@ class GoodputController:
         """Seconds per step against tokens, of steps with draft-tree branches."""
         self.lane_cost = StepCostModel()
         """Seconds per step against tokens, of steps with lanes (and no branches)."""
+        self.tier_cost: dict[int, StepCostModel] = {}
+        """Seconds per uniform step against its decoding requests, by its draft length
+        (:meth:`choose_tier`): on CUDA each tier is its own graphs, whose cost the
+        token count alone does not tell (graph sizes are padded, attention differs)."""
         self._spine_reach = np.zeros((0, max_draft))
         """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
         self._draft_positions = np.arange(max_draft)
@@ -597,6 +622,50 @@ class GoodputController:
         self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths
 
+    def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
+        """One draft length for every request of the next step, of ``tiers`` (ascending):
+        the one that maximises expected accepted tokens per second (``pad_drafts``: each
+        request's found draft, at most ``available``, is padded to it, so the step is a
+        uniform decode batch; :data:`DRAFT_TIERS` says why tiers).
+
+        A tier of t tokens yields the requests plus the worth of every request's found
+        draft tokens up to t (as :meth:`choose_draft_lens` prices them; filler is worth
+        nothing), in the seconds its own steps took at this many requests
+        (:attr:`tier_cost`). A tier not run lately is priced optimistically, so it gets
+        tried: at what the dearest shorter tier costs (a step costs no less with more
+        tokens; a GPU below its knee charges nothing more), or where no shorter tier
+        ran, the plain curve's price of its tokens. The longest tier before any step
+        was priced."""
+        available = np.asarray(available, dtype=np.int64)
+        requests = len(available)
+        plain = self._plain_cost()
+        if not requests or not plain.has_data:
+            return self._chose_tier(int(tiers[-1]))
+        reach = self.yields.reach_probability(key_lens)
+        matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
+        worth = np.where(self._draft_positions < available[:, None], reach * self._worth_share[matched], 0.0)
+        gains = requests + np.concatenate([[0.0], np.cumsum(worth.sum(axis=0))])[tiers]
+        seconds = self._tier_seconds(tiers, requests, step_tokens)
+        return self._chose_tier(int(tiers[int((gains / seconds).argmax())]))
+
+    def _tier_seconds(self, tiers: np.ndarray, requests: int, step_tokens: int) -> np.ndarray:
+        """Seconds of a uniform step of each of ``tiers`` (ascending) at ``requests`` (:meth:`choose_tier`)."""
+        seconds = np.zeros(len(tiers))
+        shorter = 0.0  # the dearest shorter tier that ran lately
+        for i, tier in enumerate(tiers.tolist()):
+            costs = self.tier_cost.get(tier)
+            if costs is not None and costs.has_data:
+                seconds[i] = float(costs.predict(requests))
+                shorter = max(shorter, seconds[i])
+            else:
+                seconds[i] = shorter or float(self._plain_cost().predict(step_tokens + requests * tier))
+        return seconds
+
+    def _chose_tier(self, tier: int) -> int:
+        self.last.draft_len = tier
+        self.last.mean_draft_len = float(tier)
+        return tier
+
     def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
         """Tokens to keep of each grown branch for the next step (a prefix of it, 0 drops
         it): the branch tokens most likely to be accepted, as many as maximise expected
@@ -644,6 +713,9 @@ class GoodputController:
         curve such steps made the drafts after a probe look dearer than they were.)"""
         curve = self.tree_cost if outcome.tree_tokens else self.lane_cost if outcome.lane_tokens else self.cost
         curve.observe(outcome.tokens, outcome.seconds)
+        if outcome.uniform_draft_len >= 0:
+            tier = self.tier_cost.setdefault(outcome.uniform_draft_len, StepCostModel())
+            tier.observe(outcome.decoding_requests, outcome.seconds)
         self.yields.observe(outcome)
 
     def summary(self) -> dict:
@@ -664,6 +736,9 @@ class GoodputController:
             "reach_probability": self.yields.reach_probability().round(4).tolist(),
             "cost_curve_tokens": tokens.round(1).tolist(),
             "cost_curve_ms": (1000 * seconds).round(3).tolist(),
+            "tier_cost": {str(tier): {"requests": costs.curve()[0].round(1).tolist(),
+                                      "ms": (1000 * costs.curve()[1]).round(3).tolist()}
+                          for tier, costs in sorted(self.tier_cost.items())},
         }
 
 

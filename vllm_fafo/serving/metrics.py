@@ -43,6 +43,12 @@ class FafoMetrics:
     requests_freed: int = 0
     proposed_tokens: dict[str, int] = field(default_factory=_per_origin)
     accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
+    padded_request_steps: dict[str, int] = field(default_factory=dict)
+    """``pad_drafts``: decoding request-steps by the draft length their step was padded to."""
+
+    def record_padded_step(self, draft_len: int, requests: int) -> None:
+        key = str(draft_len)
+        self.padded_request_steps[key] = self.padded_request_steps.get(key, 0) + requests
 
     def record_drafts(self, origins: np.ndarray, lengths: np.ndarray) -> None:
         """One step's drafts, row ``i`` its first ``lengths[i]`` tokens' origins

@@ -57,9 +57,13 @@ COUNTERS: dict[str, str] = {
     "branch_accepted_tokens": "Tokens accepted from draft-tree branches beyond the spine's accepted prefix.",
     "requests_started": "Requests the proposer started tracking.",
     "requests_freed": "Requests the proposer freed (finished, aborted or preempted and dropped).",
+    "padded_request_steps": "Decoding request-steps by the draft length their step was padded to (pad_drafts).",
 }
 """Snapshot key -> help text of each counter (exported as ``vllm:fafo_<key>_total``;
-the two dicts by origin carry an ``origin`` label)."""
+the dicts carry the label :data:`COUNTER_LABELS` names)."""
+
+COUNTER_LABELS = {"proposed_tokens": "origin", "accepted_tokens": "origin", "padded_request_steps": "draft_len"}
+"""The label of each counter kept by a key (the snapshot's dicts)."""
 
 GAUGES: dict[str, str] = {
     "requests_tracked": "Requests the proposer holds state for.",
@@ -146,9 +150,9 @@ class SnapshotCollector:
         for key, text in COUNTERS.items():
             value = snapshot[key]
             if isinstance(value, dict):
-                family = CounterMetricFamily(PREFIX + key, text, labels=names + ["origin"])
-                for origin, count in value.items():
-                    family.add_metric(values + [origin], count)
+                family = CounterMetricFamily(PREFIX + key, text, labels=names + [COUNTER_LABELS[key]])
+                for label, count in value.items():
+                    family.add_metric(values + [label], count)
             else:
                 family = CounterMetricFamily(PREFIX + key, text, labels=names)
                 family.add_metric(values, value)

@@ -1,7 +1,8 @@
 """The lane step a CUDA graph can replay, proxied on the CPU.
 
 :func:`~vllm_fafo.attention.region.lane_step` must trace into one graph
-(``torch.compile(fullgraph=True)`` raises on a graph break), give what a dense
+(``torch.compile(fullgraph=True)`` raises on a graph break) without reading
+a tensor's value on the host (which dynamo would keep in the graph), give what a dense
 loop over the plan's real entries gives, padded entries included, and run a
 second plan of the same tier without recompiling; loading a plan into its
 tier's buffers must reuse the same device tensors.
@@ -125,9 +126,27 @@ def check_step(region: CompressedRegion, plan: StepPlan, inputs, run) -> None:
     assert torch.equal(output[tails.stop :], want_out[tails.stop :])
 
 
-def compiled(backend: str, counter=None):
+HOST_READS = {"item", "tolist", "nonzero", "unique", "masked_select"}
+"""Tensor methods that bring a value to the host: dynamo keeps them in the graph (no break), but a
+CUDA graph cannot replay them."""
+
+
+class GraphCounter(torch._dynamo.testing.CompileCounterWithBackend):
+    """Counts the graphs dynamo compiles and fails on any that reads a tensor's value on the host."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        host_reads = [
+            str(node.target) for node in gm.graph.nodes
+            if node.op in ("call_method", "call_function")
+            and (getattr(node.target, "__name__", node.target) in HOST_READS or "_assert_scalar" in str(node.target))
+        ]
+        assert not host_reads, f"the lane step reads tensor values on the host: {host_reads}"
+        return super().__call__(gm, example_inputs)
+
+
+def compiled(backend: str, counter: GraphCounter | None = None):
     torch._dynamo.reset()
-    counter = counter or torch._dynamo.testing.CompileCounterWithBackend(backend)
+    counter = counter or GraphCounter(backend)
     return torch.compile(lane_step, fullgraph=True, dynamic=False, backend=counter)
 
 
@@ -149,7 +168,7 @@ def test_a_second_plan_of_the_tier_reuses_the_graph(backend):
     policy = POLICIES["selected"]()
     region = make_region(policy, gen)
     buffers = LaneStepBuffers.allocate(TIER, RegionGeometry(ROWS, region.slots, STAGED), torch.device("cpu"))
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    counter = GraphCounter(backend)
     step = compiled(backend, counter)
     first = random_plan(policy.layout, buffers, gen, tail_rows=[0, 2, 3], commits=2, writes=7, stages=1)
     check_step(region, first, step_inputs(first, gen), step)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_fafo.lanes.compression import CompressionPolicy
+from vllm_fafo.lanes.graph_buffers import LaneStepBuffers, LaneTier, RegionGeometry
 from vllm_fafo.lanes.state import LaneState
 from vllm_fafo.lanes.step_plan import PrefillChunk, RegionCatchUp, RequestTail, StepPlan
 from vllm_fafo.log import init_logger
@@ -91,6 +92,8 @@ class FumbleLanes:
     _free_rows: list[int] = field(default_factory=list)
     _seen: set[str] = field(default_factory=set)
     """Requests planned at least once: only a request's first chunk may take a row."""
+    _step_buffers: dict[LaneTier, LaneStepBuffers] = field(default_factory=dict)
+    """Device buffers of each tier a step has needed, kept for the engine's life."""
 
     def __post_init__(self) -> None:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
@@ -174,9 +177,11 @@ class FumbleLanes:
             state.region_end = r.first_pos + known
 
         tails, ids, positions = self._layout_tails(batch, decode_rows, active)
-        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long)  # host: `buffers` holds the device copy
         sink_ring_valid = layout.filled_sink_and_ring([tail.num_final for tail in tails])
-        return StepPlan(
+        tier = LaneTier.fitting(len(tails), active, self.lane_len, len(commit_dst), len(write_dst),
+                                len(stage_dst), max_requests=self.region_rows)
+        plan = StepPlan(
             commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
             write_src=as_index(write_src), write_dst=as_index(write_dst),
             stage_src=as_index(stage_src), stage_dst=as_index(stage_dst),
@@ -184,11 +189,22 @@ class FumbleLanes:
             prefill_chunks=tuple(prefill_chunks),
             tails=tuple(tails),
             tail_region_rows=as_index([tail.region_row for tail in tails]),
-            tail_sink_ring_valid=torch.from_numpy(sink_ring_valid).to(self.device),
+            tail_sink_ring_valid=torch.from_numpy(sink_ring_valid),
             tail_ids=ids,
             tail_positions=positions,
+            buffers=self._buffers_of(tier),
             catch_up=tuple(catch_up),
         )
+        plan.buffers.load(plan)
+        return plan
+
+    def _buffers_of(self, tier: LaneTier) -> LaneStepBuffers:
+        """The tier's device buffers, allocated the first time a step needs them."""
+        buffers = self._step_buffers.get(tier)
+        if buffers is None:
+            geometry = RegionGeometry(self.region_rows, self.policy.layout.kv_budget, self.max_drafts)
+            buffers = self._step_buffers[tier] = LaneStepBuffers.allocate(tier, geometry, self.device)
+        return buffers
 
     def _rows_with_region(self, batch: BatchView) -> tuple[list[_Row], list[int]]:
         """The batch's requests that hold a region (a new one takes a free row at

@@ -5,7 +5,9 @@ the batch. It reaches the attention layers through vLLM's per-forward
 channel: the runner patch attaches it to this forward's attention metadata
 (:func:`attach_plan`), every layer reads it back (:func:`plan_of`), and it
 is gone with the metadata when the forward ends. Each layer owns its own
-region buffers, so the plan carries flat indices, not tensors of K/V.
+region buffers, so the plan carries flat indices, not tensors of K/V: host
+tensors here, and their padded copy on the device that the layers read
+(:class:`~vllm_fafo.lanes.graph_buffers.LaneStepBuffers`, loaded once per forward).
 Forwards without a plan (warm-up, profiling, steps without lanes) pass
 through the base backend untouched. Engine constants (policy, region rows,
 ``max_model_len``) are not here: the attention impl takes them from
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_fafo.lanes.graph_buffers import LaneStepBuffers
 from vllm_fafo.verification.draft_tree import BRANCH_PLAN_ATTRIBUTE, BranchPlan
 
 PLAN_ATTRIBUTE = "vllm_fafo_plan"
@@ -81,27 +84,29 @@ class StepPlan:
 
     Region and staging buffers are addressed flat: ``row * slots + slot``.
     Order inside a layer: catch up the positions a region missed while its
-    lanes were off, commit accepted drafts staged last step, write this
-    step's known tokens, stage this step's drafts, reset the policy's state of
-    rows that a new request took, show it the prefill chunks, let it select
-    for each request with lanes, then run the lanes.
+    lanes were off, reset the policy's state of rows that a new request took,
+    show it the prefill chunks, let it select for each request with lanes
+    (host-driven work, on the paged cache and the selected part), then, on
+    ``buffers``: commit accepted drafts staged last step, write this step's
+    known tokens, stage this step's drafts and run the lanes.
     """
 
-    commit_src: torch.Tensor  # flat staging index
-    commit_dst: torch.Tensor  # flat region index
-    write_src: torch.Tensor  # batch token index
-    write_dst: torch.Tensor  # flat region index
-    stage_src: torch.Tensor  # batch token index
-    stage_dst: torch.Tensor  # flat staging index
+    commit_src: torch.Tensor  # (host) flat staging index
+    commit_dst: torch.Tensor  # (host) flat region index
+    write_src: torch.Tensor  # (host) batch token index
+    write_dst: torch.Tensor  # (host) flat region index
+    stage_src: torch.Tensor  # (host) batch token index
+    stage_dst: torch.Tensor  # (host) flat staging index
     new_rows: tuple[int, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
     tails: tuple[RequestTail, ...]
     # Every tail has the same lanes and lane length, and the tails lie back to
     # back, so the lanes of all requests run as one batched attention call.
-    tail_region_rows: torch.Tensor  # (R,) region row of each tail's request
-    tail_sink_ring_valid: torch.Tensor  # (R, region_slots) bool: filled sink and ring slots
+    tail_region_rows: torch.Tensor  # (host, R) region row of each tail's request
+    tail_sink_ring_valid: torch.Tensor  # (host, R, region_slots) bool: filled sink and ring slots
     tail_ids: np.ndarray  # token ids of the tail, written behind the real tokens
     tail_positions: np.ndarray
+    buffers: LaneStepBuffers  # all of the above that a layer reads, on the device, at fixed shapes
     catch_up: tuple[RegionCatchUp, ...] = ()
 
     @property

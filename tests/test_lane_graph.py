@@ -194,7 +194,7 @@ def test_loading_a_plan_reuses_the_buffers():
         assert buffers.tail_is_real.tolist() == [i < plan.num_tail_tokens for i in range(TIER.tail_tokens)]
 
 
-def test_tiers_round_counts_up_to_powers_of_two():
-    tier = LaneTier.fitting(3, LANES, LANE_LEN, commits=0, writes=5, stages=8, max_requests=3)
+def test_tiers_round_copy_counts_up_to_powers_of_two_and_keep_tail_requests_exact():
+    tier = LaneTier.fitting(3, LANES, LANE_LEN, commits=0, writes=5, stages=8)
     assert tier == LaneTier(requests=3, lanes=LANES, lane_len=LANE_LEN, commits=1, writes=8, stages=8)
-    assert LaneTier.fitting(0, LANES, LANE_LEN, 1, 1, 1, max_requests=8).tail_tokens == 0
+    assert LaneTier.fitting(0, LANES, LANE_LEN, 1, 1, 1).tail_tokens == 0

@@ -59,12 +59,13 @@ class LaneTier:
         return self.requests * self.lanes * self.lane_len
 
     @classmethod
-    def fitting(cls, num_tails: int, lanes: int, lane_len: int, commits: int, writes: int, stages: int,
-                max_requests: int) -> LaneTier:
-        """The tier of a step: counts rounded up to powers of two, so few tiers (and graphs)
-        cover every step while padding at most doubles the work."""
-        requests = min(_power_of_two(num_tails), max_requests) if num_tails else 0
+    def fitting(cls, num_tails: int, lanes: int, lane_len: int, commits: int, writes: int, stages: int) -> LaneTier:
+        """The tier of a step: index-copy counts rounded up to powers of two (a padded copy
+        costs next to nothing), tail requests exact: a padded tail costs its lanes'
+        attention, which lanes run eager pay in full. Graphed lanes will round requests
+        too, to bound the graphs captured."""
         lanes, lane_len = (lanes, lane_len) if num_tails else (0, 0)
+        requests = num_tails
         return cls(requests, lanes, lane_len, _power_of_two(commits), _power_of_two(writes), _power_of_two(stages))
 
 

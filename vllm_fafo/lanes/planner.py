@@ -179,8 +179,7 @@ class FumbleLanes:
         tails, ids, positions = self._layout_tails(batch, decode_rows, active)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long)  # host: `buffers` holds the device copy
         sink_ring_valid = layout.filled_sink_and_ring([tail.num_final for tail in tails])
-        tier = LaneTier.fitting(len(tails), active, self.lane_len, len(commit_dst), len(write_dst),
-                                len(stage_dst), max_requests=self.region_rows)
+        tier = LaneTier.fitting(len(tails), active, self.lane_len, len(commit_dst), len(write_dst), len(stage_dst))
         plan = StepPlan(
             commit_src=as_index(commit_src), commit_dst=as_index(commit_dst),
             write_src=as_index(write_src), write_dst=as_index(write_dst),

@@ -117,3 +117,25 @@ def test_batch1_identical_to_plain_and_lane_ngrams_accepted(gpu_plain_llm, gpu_l
 
 def test_concurrent_requests_identical_to_plain(gpu_plain_llm, gpu_lanes_llm, gpu_prompts):
     assert_concurrent_identical(gpu_plain_llm, gpu_lanes_llm, gpu_prompts[:6], first_len=48)
+
+
+def _tier_graphs(worker) -> dict[int, list[int]]:
+    from vllm_fafo.patches.cudagraph_dispatcher import tier_graph_sizes
+
+    return tier_graph_sizes(worker.model_runner.cudagraph_dispatcher)
+
+
+def test_padded_tiers_replay_whole_graphs_identical_to_plain(model_dir, gpu_plain_llm, gpu_prompts):
+    """``"controller": "goodput"`` on CUDA: padded drafts of one tier per step (0, 4, 8, 16),
+    each tier captured as FULL graphs (vllm_fafo.patches.cudagraph_dispatcher); greedy
+    tokens identical to plain vLLM's at batch 1 and concurrent."""
+    llm = make_llm(model_dir, {"method": "fafo", "controller": "goodput"},
+                   **{**GPU_KWARGS, "enforce_eager": False})
+    fafo = llm.llm_engine.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]
+    assert (fafo["num_lanes"], fafo["pad_drafts"], fafo["controller"]) == (0, True, "goodput")
+    graphs = llm.collective_rpc(_tier_graphs)[0]
+    assert sorted(graphs) == [1, 5, 9, 1 + fafo["num_speculative_tokens"]] and all(graphs.values())
+    expected = token_ids(generate_one_by_one(gpu_plain_llm, gpu_prompts, greedy(128)))
+    assert_same_tokens(expected, token_ids(generate_one_by_one(llm, gpu_prompts, greedy(128))))
+    assert_concurrent_identical(gpu_plain_llm, llm, gpu_prompts[:6], first_len=48)
+    assert sum(collect_metrics(llm)["padded_request_steps"].values()) > 0

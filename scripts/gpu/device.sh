@@ -29,6 +29,10 @@
 #             runner (fafo's runner: step time at equal runner); ran whole in 495 s on an H200
 #             (docs/results/gpu.md "Padded draft length");
 #             every finished cell (token ids included) is packed into $OUT
+#   bench_tiers    the goodput controller's padded tiers (0, 4, 8, 16 drafts, one per step, each
+#             its own whole CUDA graphs) against plain, ngram and the default (16 padded, fixed) on
+#             SmolLM2 (bf16, CUDA graphs, 64 x 256), MT-Bench first (FAFO_DATASETS), batch 1, 32,
+#             8, 64 (FAFO_BATCH_SIZES); vLLM suffix's tau comes from the CPU replay
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -168,6 +172,21 @@ bench_levers() {
     (cd "$ROOT/results/levers" && tar -czf "$OUT/levers/cells.tar.gz" cells) || true
 }
 
+bench_tiers() {
+    mkdir -p "$OUT/tiers"
+    outside_checkout benchmarks
+    local fast='"engine_args":{"kernel_config":{"enable_jit_warmup":false}}'
+    local matrix=(benchmarks/matrix.py --cuda-graphs --dtype bfloat16 --kv-cache-mib 8192 --methods ngram
+        --method "none={\"method\":\"none\",$fast}"
+        --method "tiers={\"method\":\"fafo\",\"controller\":\"goodput\",$fast}"
+        --method "fafo={\"method\":\"fafo\",$fast}"
+        --datasets "${FAFO_DATASETS:-mtbench,gsm8k,humaneval}" --batch-sizes "${FAFO_BATCH_SIZES:-1,32,8,64}"
+        --num-prompts 64 --max-tokens 256 --out "$ROOT/results/tiers")  # 64: batch 64 runs 64 at once
+    timeout "$LIMIT" python3 "${matrix[@]}" || python3 "${matrix[@]}" --summarize-only || true
+    cp "$ROOT"/results/tiers/summary.* "$OUT/tiers/" 2>/dev/null || true
+    (cd "$ROOT/results/tiers" && tar -czf "$OUT/tiers/cells.tar.gz" cells) || true
+}
+
 bench_cost() {  # ms per step against tail tokens on the Llama-3-8B shape (random weights)
     mkdir -p "$OUT/llama3_8b_shape"
     outside_checkout benchmarks
@@ -197,8 +216,9 @@ for step in "$@"; do
         bench_smollm2) bench_smollm2 ;;
         bench_trees) bench_trees ;;
         bench_levers) bench_levers ;;
+        bench_tiers) bench_tiers ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_levers bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_levers bench_tiers bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

@@ -18,6 +18,7 @@ def apply_all() -> None:
     from vllm_fafo.patches import (
         attention_backend,
         cpu_sampling,
+        cudagraph_dispatcher,
         engine_args,
         gpu_model_runner,
         new_request_data,
@@ -29,6 +30,7 @@ def apply_all() -> None:
     gpu_model_runner.apply()
     attention_backend.apply()
     cpu_sampling.apply()
+    cudagraph_dispatcher.apply()
     new_request_data.apply()
     rejection_sampler.apply()
     triton_dispatcher.apply()

@@ -1,6 +1,6 @@
 """Hook FAFO's step into ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``.
 
-Wraps eight methods of vLLM 0.32.0's V1 runner (``CPUModelRunner`` inherits
+Wraps nine methods of vLLM 0.32.0's V1 runner (``CPUModelRunner`` inherits
 them), each calling one hook of the FAFO proposer's step, in the order of
 vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
 
@@ -12,6 +12,10 @@ vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
    from vLLM's prepared batch; the batch descriptor grows by the tail, which therefore rides vLLM's own
    padding mechanism (slot mapping -1: lane tokens write no KV; the
    scheduler, the sampler and the logits of real tokens never see them).
+   Before it, where the engine has whole graphs for every padded draft length
+   (vllm_fafo.patches.cudagraph_dispatcher), a uniform batch of any tier is
+   dispatched at its own query length; ``_warmup_and_capture(desc, ...)``
+   captures each such graph at its query length.
 3. ``_build_attention_metadata(num_tokens, num_reqs, max_query_len, ...)``,
    after it: the step plan (and the branch plan) is attached to this
    forward's attention metadata,
@@ -47,6 +51,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_fafo.lanes.planner import BatchView
 from vllm_fafo.lanes.step_plan import attach_branches, attach_plan
+from vllm_fafo.patches.cudagraph_dispatcher import tier_graph_sizes, uniform_query_len
 from vllm_fafo.patches.guard import require_signature
 from vllm_fafo.patches.new_request_data import cache_salt_of
 from vllm_fafo.proposer import FafoProposer
@@ -100,8 +105,10 @@ def apply() -> None:
     original_determine = require_signature(
         GPUModelRunner,
         "_determine_batch_execution_and_padding",
-        ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np"],
+        ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"],
     )
+    original_warmup_and_capture = require_signature(
+        GPUModelRunner, "_warmup_and_capture", ["self", "desc", "cudagraph_runtime_mode"])
     original_build_metadata = require_signature(
         GPUModelRunner, "_build_attention_metadata", ["self", "num_tokens", "num_reqs", "max_query_len"]
     )
@@ -131,8 +138,18 @@ def apply() -> None:
         return result
 
     @functools.wraps(original_determine)
-    def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
-        result = original_determine(self, num_tokens, num_reqs, *args, **kwargs)
+    def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                               max_num_scheduled_tokens, *args, **kwargs):
+        query_len = max_num_scheduled_tokens
+        if query_len in tier_graph_sizes(self.cudagraph_dispatcher) and num_tokens == query_len * num_reqs:
+            if kwargs.get("force_uniform_decode") is None:  # a padded tier's uniform batch, not only vLLM's own
+                kwargs["force_uniform_decode"] = True
+            with uniform_query_len(self, query_len):
+                result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                            max_num_scheduled_tokens, *args, **kwargs)
+        else:
+            result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                        max_num_scheduled_tokens, *args, **kwargs)
         drafter = _fafo_drafter(self)
         if drafter is None or drafter.step is None:
             return result
@@ -148,6 +165,13 @@ def apply() -> None:
             )
         grown = dataclasses.replace(batch_desc, num_tokens=num_tokens + tail_tokens)
         return (cudagraph_mode, grown, *rest)
+
+    @functools.wraps(original_warmup_and_capture)
+    def _warmup_and_capture(self, desc, cudagraph_runtime_mode, *args, **kwargs):
+        if not (desc.uniform and desc.num_reqs and tier_graph_sizes(self.cudagraph_dispatcher)):
+            return original_warmup_and_capture(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        with uniform_query_len(self, desc.num_tokens // desc.num_reqs):  # the tier this graph replays
+            return original_warmup_and_capture(self, desc, cudagraph_runtime_mode, *args, **kwargs)
 
     @functools.wraps(original_build_metadata)
     def _build_attention_metadata(self, *args, **kwargs):
@@ -225,6 +249,7 @@ def apply() -> None:
     wrappers = {
         "_update_states": _update_states,
         "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,
+        "_warmup_and_capture": _warmup_and_capture,
         "_build_attention_metadata": _build_attention_metadata,
         "_preprocess": _preprocess,
         "_model_forward": _model_forward,

@@ -179,23 +179,24 @@ def test_reach_probability_chains_continuation_rates_and_is_optimistic_where_unt
     ])
 
 
-def test_continuation_rates_equal_the_recurrence_written_out():
-    """The closed form against the recurrence, position by position, on random
-    decayed counts: one prior per row and one shared by all rows."""
-    from vllm_fafo.control.goodput import _continuation
+def test_reach_kernel_equals_the_recurrence_written_out():
+    """The reach kernel against the continuation-rate recurrence and its running product,
+    position by position, on random decayed counts: one prior and weight per row."""
+    from vllm_fafo.control.kernels import reach
 
     rng = np.random.default_rng(3)
     trials = rng.random((5, 64)) * rng.choice([0.0, 1.0, 1e4], size=(5, 64))
     hits = trials * rng.random((5, 64))
-    for priors, weight in ((rng.random(5), 1.0), (np.ones(1), 0.25)):
+    for priors, weights in ((rng.random(5), np.ones(5)), (np.ones(5), np.full(5, 0.25))):
         expected = np.empty_like(trials)
         for row in range(5):
-            prior = priors[row % len(priors)]
+            prior, product = priors[row], 1.0
             for k in range(64):
-                prior = expected[row, k] = (hits[row, k] + weight * prior) / (trials[row, k] + weight)
-        np.testing.assert_allclose(_continuation(trials, hits, priors, weight), expected, rtol=1e-12)
-    np.testing.assert_allclose(_continuation(trials[0], hits[0], np.ones(1), 0.25)[0],
-                               _continuation(trials[:1], hits[:1], np.ones(1), 0.25)[0])
+                prior = (hits[row, k] + weights[row] * prior) / (trials[row, k] + weights[row])
+                product = expected[row, k] = product * prior
+        got = np.zeros_like(trials)
+        reach(trials, hits, priors, weights, got)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
 def test_reach_tables_kept_for_the_step_follow_every_observe_and_are_read_only():
@@ -709,3 +710,40 @@ def test_a_tier_is_priced_by_its_own_steps_not_by_its_token_count():
 
 def test_fixed_controller_keeps_the_longest_tier():
     assert FixedController(16).choose_tier(1, np.ones(2), np.array([3, 0]), TIERS) == 16
+
+
+def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
+    """choose_lengths and count_chains against the numpy code they replaced (kept here
+    as the reference): random reach tables, found drafts, key lengths and step prices."""
+    from vllm_fafo.control.kernels import choose_lengths, count_chains
+
+    rng = np.random.default_rng(5)
+    max_draft, max_key_len = 16, 23
+    share = GoodputController(LANE_LEN, max_draft, max_key_len)._worth_share
+    for _ in range(200):
+        requests = int(rng.integers(1, 40))
+        table = np.cumprod(rng.random((8, max_draft)) ** 0.3, axis=1)
+        rows = rng.integers(0, 8, requests)
+        key_lens = rng.integers(0, max_key_len + 1, requests)
+        available = rng.integers(0, max_draft + 1, requests)
+        count = int(available.sum())
+        seconds = 0.01 + np.cumsum(rng.random(count + 1) * rng.choice([0.0, 1e-4, 1e-3]))
+        # the numpy code choose_draft_lens ran before the kernel
+        owners, positions = np.nonzero(np.arange(max_draft) < available[:, None])
+        worth = (table[rows] * share[key_lens])[owners, positions]
+        order = np.argsort(-worth, kind="stable")
+        rates = (requests + np.concatenate([[0.0], np.cumsum(worth[order])])) / seconds
+        expected = np.bincount(owners[order[: int(rates.argmax())]], minlength=requests)
+        got = np.zeros(requests, dtype=np.int64)
+        choose_lengths(table, rows, share, key_lens, available, float(requests), seconds, got)
+        np.testing.assert_array_equal(got, expected)
+
+        lengths, accepted = rng.integers(0, max_draft + 1, requests), rng.integers(0, max_draft + 1, requests)
+        positions = np.arange(1, max_draft + 1)
+        trials, hits = rng.random((8, max_draft)), rng.random((8, max_draft))
+        expected_trials, expected_hits = trials.copy(), hits.copy()
+        np.add.at(expected_trials, rows, (lengths[:, None] >= positions) & (accepted[:, None] >= positions - 1))
+        np.add.at(expected_hits, rows, accepted[:, None] >= positions)
+        count_chains(trials, hits, rows, lengths, accepted)
+        np.testing.assert_array_equal(trials, expected_trials)
+        np.testing.assert_array_equal(hits, expected_hits)

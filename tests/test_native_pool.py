@@ -270,18 +270,19 @@ def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_
 
 KERNELS_LOADED_AT_START = """
 import numba
+from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.drafting import pool_kernels, step_kernel, text_kernels
 from tests.test_proposer import FakeBatch, make_proposer
 
-kernels = [f for m in (pool_kernels, text_kernels, step_kernel) for f in vars(m).values()
+kernels = [f for m in (pool_kernels, text_kernels, step_kernel, controller_kernels) for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
-proposer = make_proposer(deep_match=True, share_pool=True)  # the engine's start: load_kernels
+proposer = make_proposer(deep_match=True, share_pool=True, controller="goodput")  # the engine's start
 before = {f.__name__: len(f.signatures) for f in kernels}
 batch = FakeBatch()
 batch.add("a", [1, 2, 3, 4, 5, 1, 2, 3, 4, 6] * 4)
 batch.add("b", [7, 8, 9] * 5, cache_salt="t")
 for _ in range(6):
-    batch.step(proposer, [[1, 2], [7]])
+    batch.step(proposer, [[1, 2], [7]], num_scheduled_tokens=4)  # tokens: the controller prices steps
 proposer.remove_requests(["a", "b"])
 after = {f.__name__: len(f.signatures) for f in kernels}
 assert after == before, {name: (before[name], after[name]) for name in after if after[name] != before[name]}

@@ -43,6 +43,7 @@ from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
+from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import BranchSet, StepOutcome, draft_tiers, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
@@ -233,6 +234,7 @@ class FafoProposer:
         prior = None if self.config.prior_table == PRIOR_TABLE_OFF else resolve_prior_table(
             self.config.prior_table, vllm_config.model_config.model, vllm_config.model_config.get_vocab_size())
         load_kernels(self.config)
+        controller_kernels.load_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""

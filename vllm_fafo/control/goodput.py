@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_fafo.control import kernels
+
 CONTROLLERS = ("goodput", "fixed")
 
 BRANCH_RANKS = 8
@@ -280,51 +282,45 @@ class YieldEstimates:
     """Decayed branches off the node where their spine stopped that reached each of
     their positions, by rank among their siblings."""
     branch_hits: np.ndarray = field(init=False)
-    _reach: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
-    """(over all drafts, per row) reach probabilities, until the next :meth:`observe`."""
-    _branch_reach: np.ndarray | None = field(default=None, init=False, repr=False)
-    _table_trials: np.ndarray = field(init=False, repr=False)
-    """Row 0: the trials over all drafts (summed when asked); below it, :attr:`position_trials`."""
-    _table_hits: np.ndarray = field(init=False, repr=False)
-    _table_priors: np.ndarray = field(init=False, repr=False)
-    _table_weights: np.ndarray = field(init=False, repr=False)
-    """Pseudo-trials of each row of the table: a quarter over all drafts, one per key length."""
-    _positions: np.ndarray = field(init=False, repr=False)
+    _reach_overall: np.ndarray = field(init=False, repr=False)
+    """Reach probabilities over all drafts, then per key length's row, and per branch rank:
+    written by the kernels when stale (after :meth:`observe`), handed out read-only."""
+    _reach_by_row: np.ndarray = field(init=False, repr=False)
+    _branch_reach: np.ndarray = field(init=False, repr=False)
+    _read_only_views: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, repr=False)
+    _stale: bool = field(default=True, init=False, repr=False)
+    _branch_stale: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.row_of_key_len = evidence_rows(self.max_key_len)
         shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
-        # the reach table's rows, computed together: over all drafts, then one per key length's row
-        self._table_trials, self._table_hits = np.zeros((1 + shape[0], shape[1])), np.zeros((1 + shape[0], shape[1]))
-        self._table_priors = np.ones((1 + shape[0], 1))
-        self._table_weights = np.ones((1 + shape[0], 1))
-        self._table_weights[0] = 0.25
-        self.position_trials, self.position_hits = self._table_trials[1:], self._table_hits[1:]
+        self.position_trials, self.position_hits = np.zeros(shape), np.zeros(shape)
         self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
         self.branch_hits = np.zeros((BRANCH_RANKS, self.max_draft))
-        self._positions = np.arange(1, self.max_draft + 1)
+        self._reach_overall, self._reach_by_row = np.zeros(self.max_draft), np.zeros(shape)
+        self._branch_reach = np.zeros((BRANCH_RANKS, self.max_draft))
+        self._read_only_views = tuple(_read_only(table.view()) for table in (
+            self._reach_overall, self._reach_by_row, self._branch_reach))
 
     def observe(self, outcome: StepOutcome) -> None:
-        self._reach = self._branch_reach = None
+        self._stale = self._branch_stale = True
         d = self.decay
         self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
         self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
         self.decode_rows = d * self.decode_rows + outcome.decoding_requests
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
-        positions = self._positions
-        rows = self._rows(outcome.key_lens)
-        drafted = np.asarray(outcome.draft_lengths)[:, None]
-        accepted = np.asarray(outcome.accepted_lengths)[:, None]
+        drafted = _int64(outcome.draft_lengths)
         draft_decay = self.draft_decay ** len(drafted)
         self.position_trials *= draft_decay
         self.position_hits *= draft_decay
-        _count_chains(self.position_trials, self.position_hits, rows, drafted, accepted, positions)
+        kernels.count_chains(self.position_trials, self.position_hits, self.rows_of(outcome.key_lens), drafted,
+                             _int64(outcome.accepted_lengths))
         self.branch_trials *= d
         self.branch_hits *= d
         if len(outcome.branch_ranks):
-            ranks = np.minimum(np.asarray(outcome.branch_ranks, dtype=np.int64), BRANCH_RANKS - 1)
-            _count_chains(self.branch_trials, self.branch_hits, ranks, np.asarray(outcome.branch_lengths)[:, None],
-                          np.asarray(outcome.branch_matches)[:, None], positions)
+            ranks = np.minimum(_int64(outcome.branch_ranks), BRANCH_RANKS - 1)
+            kernels.count_chains(self.branch_trials, self.branch_hits, ranks, _int64(outcome.branch_lengths),
+                                 _int64(outcome.branch_matches))
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -358,19 +354,18 @@ class YieldEstimates:
         position seldom reached is judged like its neighbour until its own
         evidence outweighs that. Computed for every row once per step (the
         estimates change only in :meth:`observe`) and read per question."""
-        if self._reach is None:
-            # over all drafts: a quarter of a pseudo-trial, prior 1; per key length: one pseudo-trial,
-            # prior the rate over all drafts at the first position
-            trials, hits = self._table_trials, self._table_hits
-            self.position_trials.sum(axis=0, out=trials[0])
-            self.position_hits.sum(axis=0, out=hits[0])
-            self._table_priors[1:] = (hits[0, 0] + 0.25) / (trials[0, 0] + 0.25)
-            reach = np.cumprod(_continuation(trials, hits, self._table_priors, self._table_weights), axis=1)
-            self._reach = _read_only(reach[0]), _read_only(reach[1:])
-        overall_reach, reach_by_row = self._reach
-        return overall_reach if key_lens is None else reach_by_row[self._rows(key_lens)]
+        overall, by_row = self._read_only_views[0], self.reach_table()
+        return overall if key_lens is None else by_row[self.rows_of(key_lens)]
 
-    def _rows(self, key_lens: np.ndarray) -> np.ndarray:
+    def reach_table(self) -> np.ndarray:
+        """(key length rows, max_draft) reach probabilities (:meth:`reach_probability`),
+        read-only; a request's row is :meth:`rows_of` its key length."""
+        if self._stale:
+            kernels.draft_reach(self.position_trials, self.position_hits, self._reach_overall, self._reach_by_row)
+            self._stale = False
+        return self._read_only_views[1]
+
+    def rows_of(self, key_lens: np.ndarray) -> np.ndarray:
         """Rows of the draft yields for drafts found under ``key_lens``."""
         return self.row_of_key_len[np.minimum(np.asarray(key_lens, dtype=np.int64), self.max_key_len)]
 
@@ -382,11 +377,11 @@ class YieldEstimates:
         ``branch_prior`` and each later one towards the position before it (one
         pseudo-trial each). With branches off, the trials decay and the rates drift
         back to the prior, so branches are tried again now and then."""
-        if self._branch_reach is None:
-            rates = _continuation(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
-                                  weight=1.0)
-            self._branch_reach = _read_only(np.cumprod(rates, axis=1))
-        return self._branch_reach
+        if self._branch_stale:
+            kernels.reach(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
+                          np.ones(BRANCH_RANKS), self._branch_reach)
+            self._branch_stale = False
+        return self._read_only_views[2]
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -395,44 +390,9 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-                  accepted: np.ndarray, positions: np.ndarray) -> None:
-    """Add chains (drafts or branches, one per entry of ``rows``) to their row's counts:
-    a chain reached position k if it was that long and its first k - 1 tokens were
-    accepted; it hit k if its first k were. ``lengths``/``accepted``: (chains, 1)."""
-    np.add.at(trials, rows, (lengths >= positions) & (accepted >= positions - 1))
-    np.add.at(hits, rows, accepted >= positions)
-
-
-def _continuation(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray,
-                  weight: float | np.ndarray) -> np.ndarray:
-    """Per row, (hits + weight x prior) / (trials + weight) at each position, the prior
-    being the row's rate at the position before (``first_prior``, one per row or one
-    for all, at the first); ``weight``: pseudo-trials, one for all rows or (rows, 1).
-
-    The recurrence rate_k = a_k + b_k rate_(k-1), with a = hits / (trials + weight)
-    and b = weight / (trials + weight), in closed form per block of
-    ``_CLOSED_FORM_BLOCK`` positions: rate_k = B_k (prior + sum_(j<=k) a_j / B_j),
-    B the running product of b. A few numpy calls for the whole table (it runs
-    once per step over every row: 20 us on a 2-core CPU, where the recurrence in
-    Python floats took 60); per block, because B shrinks by up to a factor
-    trials + weight per position and must not underflow. (numba is not an option:
-    importing it before vLLM 0.32.0's CPU worker starts breaks that worker's kernel
-    registration: docs/results/lanes.md, "FAFO's lanes", the proposer's host time.)"""
-    trials, hits = np.atleast_2d(trials), np.atleast_2d(hits)
-    if trials.shape[1] > _CLOSED_FORM_BLOCK:
-        head = _continuation(trials[:, :_CLOSED_FORM_BLOCK], hits[:, :_CLOSED_FORM_BLOCK], first_prior, weight)
-        rest = _continuation(trials[:, _CLOSED_FORM_BLOCK:], hits[:, _CLOSED_FORM_BLOCK:], head[:, -1], weight)
-        return np.hstack([head, rest])
-    denominator = trials + weight
-    product = np.cumprod(weight / denominator, axis=1)
-    return product * (np.reshape(first_prior, (-1, 1)) + np.cumsum(hits / (denominator * product), axis=1))
-
-
-_CLOSED_FORM_BLOCK = 16
-"""Positions per closed-form block of :func:`_continuation`: B >= (weight / (trials +
-weight)) ** 16, above 1e-155 for up to 10 ** 9 decayed trials per position at a quarter
-of a pseudo-trial (float64 goes to 1e-308)."""
+def _int64(values) -> np.ndarray:
+    """``values`` as the contiguous int64 array the kernels take (no copy where it is one)."""
+    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -515,8 +475,8 @@ class GoodputController:
         """Seconds per uniform step against its decoding requests, by its draft length
         (:meth:`choose_tier`): on CUDA each tier is its own graphs, whose cost the
         token count alone does not tell (graph sizes are padded, attention differs)."""
-        self._spine_reach = np.zeros((0, max_draft))
-        """The reach probabilities :meth:`choose_draft_lens` chose this step's spines by."""
+        self._spine_rows = np.zeros(0, dtype=np.int64)
+        """The reach rows :meth:`choose_draft_lens` chose this step's spines by, one per request."""
         self._draft_positions = np.arange(max_draft)
         lengths = np.arange(max_key_len + 1)[:, None]
         self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
@@ -603,21 +563,19 @@ class GoodputController:
         :data:`DRAFT_PER_MATCHED_TOKEN`); the step with the n best tokens yields
         (requests + their sum) tokens in predict(step_tokens + n) seconds, on the curve of
         steps with lanes where this step ran lanes (``step_tokens`` counts them)."""
-        available = np.asarray(available, dtype=np.int64)
+        available = _int64(available)
         lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
         plain = self._plain_cost()
         if not len(available) or not (lanes_on or plain.has_data):
             return available
         step_seconds = self._lane_step_seconds if lanes_on else plain.predict
-        reach = self._spine_reach = self.yields.reach_probability(key_lens)  # (requests, max_draft)
-        owners, positions = np.nonzero(self._draft_positions < available[:, None])
-        matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
-        worth = (reach * self._worth_share[matched])[owners, positions]
-        order = np.argsort(-worth, kind="stable")  # ties: earlier position first, so each row keeps a prefix
-        gains = len(available) + np.concatenate([[0.0], np.cumsum(worth[order])])
-        rates = gains / step_seconds(step_tokens + np.arange(len(order) + 1))
-        best = int(rates.argmax())
-        lengths = np.bincount(owners[order[:best]], minlength=len(available))
+        rows = self._spine_rows = self.yields.rows_of(key_lens)
+        matched = np.minimum(_int64(key_lens), len(self._worth_share) - 1)
+        seconds = np.ascontiguousarray(step_seconds(step_tokens + np.arange(int(available.sum()) + 1)), dtype=float)
+        lengths = np.zeros(len(available), dtype=np.int64)
+        # ties: the earlier token first, so each request keeps a prefix
+        kernels.choose_lengths(self.yields.reach_table(), rows, self._worth_share, matched, available,
+                               float(len(available)), seconds, lengths)
         self.last.draft_len = int(lengths.max())
         self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths
@@ -683,7 +641,7 @@ class GoodputController:
         cost = self._plain_cost()
         if not len(lengths) or not cost.has_data:  # a step without branches first
             return np.zeros_like(lengths)
-        reach = self._spine_reach  # (requests, max_draft), from choose_draft_lens
+        reach = self.yields.reach_table()[self._spine_rows]  # (requests, max_draft), as choose_draft_lens read it
         spine_lens = np.asarray(spine_lens, dtype=np.int64)
         spine_worth = np.where(np.arange(self.max_draft) < spine_lens[:, None], reach, 0.0).sum()
         reached = np.concatenate([np.ones((len(reach), 1)), reach], axis=1)  # P(first j accepted), j = 0..

@@ -353,7 +353,9 @@ class YieldEstimates:
         with one pseudo-trial (the rate over all drafts before the first), so a
         position seldom reached is judged like its neighbour until its own
         evidence outweighs that. Computed for every row once per step (the
-        estimates change only in :meth:`observe`) and read per question."""
+        estimates change only in :meth:`observe`) and read per question; the
+        overall row is the table itself, read-only, valid until the next
+        :meth:`observe` (copy it to keep it)."""
         overall, by_row = self._read_only_views[0], self.reach_table()
         return overall if key_lens is None else by_row[self.rows_of(key_lens)]
 

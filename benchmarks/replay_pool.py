@@ -191,8 +191,11 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             drafts.append(draft)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
         if controller is not None:
-            judge.add([request.req_id for request in running], [request.num_tokens for request in running], drafts,
-                      key_lens)
+            padded = np.zeros((len(drafts), k), dtype=np.int32)
+            for row, draft in enumerate(drafts):
+                padded[row, : len(draft)] = draft
+            judge.add([request.req_id for request in running], np.array([request.num_tokens for request in running]),
+                      padded, draft_lens, found.key_lens)
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
         accepted = []
@@ -208,7 +211,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         if cost_ms is not None:
             step_s = scatter(step_seconds(cost_ms, int(draft_lens.sum()), len(running)))
             seconds += step_s
-            judged = judge.judge({request.req_id: row for row, request in enumerate(running)},
+            judged = judge.judge([request.req_id for request in running], np.arange(len(running)),
                                  np.array([request.num_tokens for request in running]), _stacked(running))
             controller.observe(StepOutcome(
                 tokens=len(running) + int(draft_lens.sum()), seconds=step_s, lane_tokens=0, lane_accepted=0,

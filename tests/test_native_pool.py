@@ -270,11 +270,11 @@ def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_
 
 KERNELS_LOADED_AT_START = """
 import numba
-from vllm_fafo.control import kernels as controller_kernels
+from vllm_fafo.control import draft_judge, kernels as controller_kernels
 from vllm_fafo.drafting import pool_kernels, step_kernel, text_kernels
 from tests.test_proposer import FakeBatch, make_proposer
 
-kernels = [f for m in (pool_kernels, text_kernels, step_kernel, controller_kernels) for f in vars(m).values()
+kernels = [f for m in (pool_kernels, text_kernels, step_kernel, controller_kernels, draft_judge) for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
 proposer = make_proposer(deep_match=True, share_pool=True, controller="goodput")  # the engine's start
 before = {f.__name__: len(f.signatures) for f in kernels}

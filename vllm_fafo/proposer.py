@@ -43,6 +43,7 @@ from vllm.config import VllmConfig
 
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
+from vllm_fafo.control import draft_judge
 from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import BranchSet, StepOutcome, draft_tiers, make_controller
@@ -235,6 +236,7 @@ class FafoProposer:
             self.config.prior_table, vllm_config.model_config.model, vllm_config.model_config.get_vocab_size())
         load_kernels(self.config)
         controller_kernels.load_kernels()
+        draft_judge.load_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
@@ -498,19 +500,19 @@ class FafoProposer:
             states.append(state)
         accepted = np.concatenate(accepted_origins) if accepted_origins else NO_ORIGINS
         self.metrics.record_acceptance(accepted)
+        decoding_ids = list(decoding_rows)
         decoding = np.fromiter(decoding_rows.values(), dtype=np.int64, count=len(decoding_rows))
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
         rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
         next_anchors = np.fromiter((state.next_anchor for state in states), dtype=np.int64, count=len(states))
         found = self.index.draft_batch(
-            list(decoding_rows), [state.pools for state in states], token_ids_cpu, decoding, num_tokens,
+            decoding_ids, [state.pools for state in states], token_ids_cpu, decoding, num_tokens,
             np.fromiter((state.prompt_len for state in states), dtype=np.int64, count=len(states)), next_anchors,
             rooms)
         lane_accepted = int(np.count_nonzero(accepted == ORIGIN_CODE[Origin.LANE]))
         self._learn(step, len(decoding_rows), len(accepted), lane_accepted,
-                    self.judge.judge(decoding_rows, num_tokens_no_spec, token_ids_cpu))
-        found_drafts = [tokens[:length] for tokens, length in zip(found.tokens.tolist(), found.lengths.tolist())]
-        self.judge.add(list(decoding_rows), num_tokens, found_drafts, found.key_lens)
+                    self.judge.judge(decoding_ids, decoding, num_tokens_no_spec, token_ids_cpu))
+        self.judge.add(decoding_ids, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
         if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
             tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,
                                                self.draft_tiers)

@@ -16,13 +16,18 @@ target's probability of it, which is the probability that the produced token
 is that token (speculative decoding leaves the text distributed as the
 target's own). A draft is judged once the text covers it or differs from it,
 a few steps after it was found.
+
+Queuing and judging are numba kernels over one table (:func:`queue_drafts`,
+:func:`judge_drafts`): they run in every step, where each numpy call costs a
+cache-cold Python call (docs/results/host-time.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 _OWNER, _START, _LENGTH, _KEY_LEN, _TOKENS = range(5)
 """Columns of the judge's table: the request's slot, the position of the text the
@@ -30,8 +35,7 @@ draft's first token predicts, its length, its key's length, then its tokens."""
 
 
 class DraftJudge:
-    """The drafts found but not judged yet, of all requests, as rows of one table
-    (a few numpy calls per step for the whole batch: it runs in the step path)."""
+    """The drafts found but not judged yet, of all requests, as rows of one table."""
 
     def __init__(self, max_draft: int, capacity: int = 256) -> None:
         self.max_draft = max_draft
@@ -41,63 +45,52 @@ class DraftJudge:
         """Each request's number in the table's owner column, while it has drafts queued
         or decodes (freed by :meth:`forget`)."""
         self._free_slots: list[int] = []
-        self._columns = np.arange(max_draft)
+        self._row_of_slot = np.zeros(64, dtype=np.int64)
+        """Scratch of :func:`judge_drafts`: each slot's batch row this step."""
 
     def __len__(self) -> int:
         return self._count
 
-    def add(self, req_ids: Sequence[str], starts: Sequence[int], drafts: Sequence[Sequence[int]],
-            key_lens: Sequence[int]) -> None:
-        """Queue the drafts found this step, whole (before any cut): ``drafts[i]`` predicts
-        request ``req_ids[i]``'s text from position ``starts[i]`` on and was found under a
-        key of ``key_lens[i]`` tokens. Empty drafts teach nothing and are not queued."""
-        found = [i for i, draft in enumerate(drafts) if draft]
-        if not found:
-            return
-        longest = max(len(drafts[i]) for i in found)
-        if longest > self.max_draft:
-            raise ValueError(f"a draft of {longest} tokens; the judge holds at most {self.max_draft}")
-        if self._count + len(found) > len(self._table):
-            self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(found)])])
-        block = self._table[self._count : self._count + len(found)]
-        self._count += len(found)
-        for row, i in zip(block, found):
-            draft = drafts[i]
-            row[_OWNER], row[_START], row[_LENGTH], row[_KEY_LEN] = self._slot(req_ids[i]), starts[i], len(draft), key_lens[i]
-            row[_TOKENS : _TOKENS + len(draft)] = draft
+    def add(self, req_ids: Sequence[str], starts: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
+            key_lens: np.ndarray) -> None:
+        """Queue the drafts found this step, whole (before any cut): request ``req_ids[i]``'s
+        draft ``tokens[i, :lengths[i]]`` predicts its text from position ``starts[i]`` on and
+        was found under a key of ``key_lens[i]`` tokens. Empty drafts teach nothing and are
+        not queued."""
+        lengths = _int64(lengths)
+        if len(lengths) and int(lengths.max()) > self.max_draft:
+            raise ValueError(f"a draft of {int(lengths.max())} tokens; the judge holds at most {self.max_draft}")
+        if self._count + len(lengths) > len(self._table):
+            self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(lengths)])])
+        slots = np.fromiter(map(self._slot, req_ids), dtype=np.int64, count=len(req_ids))
+        self._count = queue_drafts(self._table, self._count, slots, _int64(starts), np.ascontiguousarray(tokens),
+                                   lengths, _int64(key_lens))
 
-    def judge(self, rows: Mapping[str, int], num_tokens: np.ndarray,
+    def judge(self, req_ids: Sequence[str], rows: np.ndarray, num_tokens: np.ndarray,
               token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Judge the queued drafts of the requests in ``rows`` (request id -> row of
-        ``token_ids``, whose first ``num_tokens[row]`` tokens are the request's text so
+        """Judge the queued drafts of the requests ``req_ids`` (each at batch row ``rows[i]``
+        of ``token_ids``, whose first ``num_tokens[row]`` tokens are the request's text so
         far) that their text now decides: it covers the whole draft, or differs from it
         within what it covers. Returns those drafts' (lengths, tokens matched, key
         lengths) and drops them; the others wait for more text."""
-        table = self._table[: self._count]
-        if not self._count:
-            return table[:, _LENGTH], table[:, _LENGTH], table[:, _KEY_LEN]
-        row_of_slot = np.full(len(self._slots) + len(self._free_slots), -1, dtype=np.int64)
-        for req_id, row in rows.items():
-            slot = self._slots.get(req_id)
-            if slot is not None:
-                row_of_slot[slot] = row
-        draft_rows = row_of_slot[table[:, _OWNER]]  # -1: not decoding this step (read as the last row, unused)
-        starts, lengths = table[:, _START], table[:, _LENGTH]
-        covered = np.minimum(np.maximum(num_tokens[draft_rows] - starts, 0), lengths)
-        positions = np.minimum(starts[:, None] + self._columns, token_ids.shape[1] - 1)
-        same = (token_ids[draft_rows[:, None], positions] == table[:, _TOKENS:]) & (self._columns < covered[:, None])
-        matched = same.cumprod(axis=1).sum(axis=1)
-        decided = (draft_rows >= 0) & ((matched < covered) | (covered == lengths))
-        judged = lengths[decided], matched[decided], table[decided, _KEY_LEN]
-        self._keep(~decided)
-        return judged
+        slots = np.fromiter((self._slots.get(req_id, -1) for req_id in req_ids), dtype=np.int64, count=len(req_ids))
+        needed = len(self._slots) + len(self._free_slots)
+        if needed > len(self._row_of_slot):
+            self._row_of_slot = np.zeros(2 * needed, dtype=np.int64)
+        judged = np.zeros((3, self._count), dtype=np.int64)
+        self._count, count = judge_drafts(self._table, self._count, slots, _int64(rows), self._row_of_slot,
+                                          _int64(num_tokens), token_ids, judged)
+        return judged[0, :count], judged[1, :count], judged[2, :count]
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop the queued drafts of finished or aborted requests (their text will not go on)."""
         slots = [self._slots.pop(req_id) for req_id in req_ids if req_id in self._slots]
         if slots:
             self._free_slots += slots
-            self._keep(~np.isin(self._table[: self._count, _OWNER], slots))
+            keep = ~np.isin(self._table[: self._count, _OWNER], slots)
+            kept = self._table[: self._count][keep]
+            self._table[: len(kept)] = kept
+            self._count = len(kept)
 
     def _slot(self, req_id: str) -> int:
         slot = self._slots.get(req_id)
@@ -105,7 +98,68 @@ class DraftJudge:
             slot = self._slots[req_id] = self._free_slots.pop() if self._free_slots else len(self._slots)
         return slot
 
-    def _keep(self, keep: np.ndarray) -> None:
-        kept = self._table[: self._count][keep]
-        self._table[: len(kept)] = kept
-        self._count = len(kept)
+
+def _int64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+@njit(cache=True)
+def queue_drafts(table: np.ndarray, count: int, slots: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
+                 lengths: np.ndarray, key_lens: np.ndarray) -> int:
+    """Append the non-empty drafts as rows of ``table`` after its first ``count``; returns
+    the new count (the table has room)."""
+    for i in range(len(slots)):
+        length = lengths[i]
+        if length == 0:
+            continue
+        table[count, _OWNER] = slots[i]
+        table[count, _START] = starts[i]
+        table[count, _LENGTH] = length
+        table[count, _KEY_LEN] = key_lens[i]
+        for k in range(length):
+            table[count, _TOKENS + k] = tokens[i, k]
+        count += 1
+    return count
+
+
+@njit(cache=True)
+def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndarray, row_of_slot: np.ndarray,
+                 num_tokens: np.ndarray, token_ids: np.ndarray, judged: np.ndarray) -> tuple[int, int]:
+    """Judge the first ``count`` rows of ``table`` whose slot is among ``slots`` (batch
+    rows ``rows``): a draft is decided when the text covers it or differs from it within
+    what it covers; its (length, tokens matched, key length) go to the next column of
+    ``judged`` and its row is dropped, the others kept in order. Returns (rows kept,
+    drafts judged). ``row_of_slot``: scratch, one entry per slot."""
+    row_of_slot[:] = -1
+    for i in range(len(slots)):
+        if slots[i] >= 0:
+            row_of_slot[slots[i]] = rows[i]
+    last = token_ids.shape[1] - 1
+    kept = done = 0
+    for i in range(count):
+        row = row_of_slot[table[i, _OWNER]]
+        decided = False
+        if row >= 0:
+            start, length = table[i, _START], table[i, _LENGTH]
+            covered = min(max(num_tokens[row] - start, 0), length)
+            matched = 0
+            while matched < covered and token_ids[row, min(start + matched, last)] == table[i, _TOKENS + matched]:
+                matched += 1
+            decided = matched < covered or covered == length
+            if decided:
+                judged[0, done], judged[1, done], judged[2, done] = length, matched, table[i, _KEY_LEN]
+                done += 1
+        if not decided:
+            if kept != i:
+                table[kept, :] = table[i, :]
+            kept += 1
+    return kept, done
+
+
+def load_kernels() -> None:
+    """Run the kernels once on small arrays of the step's types (vLLM's token rows are
+    int32), so that numba loads them while the engine starts."""
+    judge = DraftJudge(2, capacity=1)
+    judge.add(["r"], np.zeros(1, dtype=np.int64), np.ones((1, 2), dtype=np.int32), np.ones(1, dtype=np.int64),
+              np.ones(1, dtype=np.int64))
+    judge.judge(["r"], np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64), np.ones((1, 2), dtype=np.int32))

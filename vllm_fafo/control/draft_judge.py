@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from numba import njit
 
+from vllm_fafo.control.kernels import as_int64
+
 _OWNER, _START, _LENGTH, _KEY_LEN, _TOKENS = range(5)
 """Columns of the judge's table: the request's slot, the position of the text the
 draft's first token predicts, its length, its key's length, then its tokens."""
@@ -57,14 +59,14 @@ class DraftJudge:
         draft ``tokens[i, :lengths[i]]`` predicts its text from position ``starts[i]`` on and
         was found under a key of ``key_lens[i]`` tokens. Empty drafts teach nothing and are
         not queued."""
-        lengths = _int64(lengths)
+        lengths = as_int64(lengths)
         if len(lengths) and int(lengths.max()) > self.max_draft:
             raise ValueError(f"a draft of {int(lengths.max())} tokens; the judge holds at most {self.max_draft}")
         if self._count + len(lengths) > len(self._table):
             self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(lengths)])])
         slots = np.fromiter(map(self._slot, req_ids), dtype=np.int64, count=len(req_ids))
-        self._count = queue_drafts(self._table, self._count, slots, _int64(starts), np.ascontiguousarray(tokens),
-                                   lengths, _int64(key_lens))
+        self._count = queue_drafts(self._table, self._count, slots, as_int64(starts), np.ascontiguousarray(tokens),
+                                   lengths, as_int64(key_lens))
 
     def judge(self, req_ids: Sequence[str], rows: np.ndarray, num_tokens: np.ndarray,
               token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,8 +80,8 @@ class DraftJudge:
         if needed > len(self._row_of_slot):
             self._row_of_slot = np.zeros(2 * needed, dtype=np.int64)
         judged = np.zeros((3, self._count), dtype=np.int64)
-        self._count, count = judge_drafts(self._table, self._count, slots, _int64(rows), self._row_of_slot,
-                                          _int64(num_tokens), token_ids, judged)
+        self._count, count = judge_drafts(self._table, self._count, slots, as_int64(rows), self._row_of_slot,
+                                          as_int64(num_tokens), token_ids, judged)
         return judged[0, :count], judged[1, :count], judged[2, :count]
 
     def forget(self, req_ids: Iterable[str]) -> None:
@@ -97,10 +99,6 @@ class DraftJudge:
         if slot is None:
             slot = self._slots[req_id] = self._free_slots.pop() if self._free_slots else len(self._slots)
         return slot
-
-
-def _int64(values) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 @njit(cache=True)

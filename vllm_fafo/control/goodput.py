@@ -309,18 +309,18 @@ class YieldEstimates:
         self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
         self.decode_rows = d * self.decode_rows + outcome.decoding_requests
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
-        drafted = _int64(outcome.draft_lengths)
+        drafted = kernels.as_int64(outcome.draft_lengths)
         draft_decay = self.draft_decay ** len(drafted)
         self.position_trials *= draft_decay
         self.position_hits *= draft_decay
         kernels.count_chains(self.position_trials, self.position_hits, self.rows_of(outcome.key_lens), drafted,
-                             _int64(outcome.accepted_lengths))
+                             kernels.as_int64(outcome.accepted_lengths))
         self.branch_trials *= d
         self.branch_hits *= d
         if len(outcome.branch_ranks):
-            ranks = np.minimum(_int64(outcome.branch_ranks), BRANCH_RANKS - 1)
-            kernels.count_chains(self.branch_trials, self.branch_hits, ranks, _int64(outcome.branch_lengths),
-                                 _int64(outcome.branch_matches))
+            ranks = np.minimum(kernels.as_int64(outcome.branch_ranks), BRANCH_RANKS - 1)
+            kernels.count_chains(self.branch_trials, self.branch_hits, ranks, kernels.as_int64(outcome.branch_lengths),
+                                 kernels.as_int64(outcome.branch_matches))
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -390,11 +390,6 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     """``array``, frozen: a table kept for the step is handed out, not copied."""
     array.flags.writeable = False
     return array
-
-
-def _int64(values) -> np.ndarray:
-    """``values`` as the contiguous int64 array the kernels take (no copy where it is one)."""
-    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -565,14 +560,14 @@ class GoodputController:
         :data:`DRAFT_PER_MATCHED_TOKEN`); the step with the n best tokens yields
         (requests + their sum) tokens in predict(step_tokens + n) seconds, on the curve of
         steps with lanes where this step ran lanes (``step_tokens`` counts them)."""
-        available = _int64(available)
+        available = kernels.as_int64(available)
         lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
         plain = self._plain_cost()
         if not len(available) or not (lanes_on or plain.has_data):
             return available
         step_seconds = self._lane_step_seconds if lanes_on else plain.predict
         rows = self._spine_rows = self.yields.rows_of(key_lens)
-        matched = np.minimum(_int64(key_lens), len(self._worth_share) - 1)
+        matched = np.minimum(kernels.as_int64(key_lens), len(self._worth_share) - 1)
         seconds = np.ascontiguousarray(step_seconds(step_tokens + np.arange(int(available.sum()) + 1)), dtype=float)
         lengths = np.zeros(len(available), dtype=np.int64)
         # ties: the earlier token first, so each request keeps a prefix

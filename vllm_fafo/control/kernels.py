@@ -15,6 +15,11 @@ import numpy as np
 from numba import njit
 
 
+def as_int64(values) -> np.ndarray:
+    """``values`` as the contiguous int64 array the kernels take (no copy where it is one)."""
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
 @njit(cache=True)
 def count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
                  accepted: np.ndarray) -> None:

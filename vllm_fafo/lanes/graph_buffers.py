@@ -65,8 +65,7 @@ class LaneTier:
         attention, which lanes run eager pay in full. Graphed lanes will round requests
         too, to bound the graphs captured."""
         lanes, lane_len = (lanes, lane_len) if num_tails else (0, 0)
-        requests = num_tails
-        return cls(requests, lanes, lane_len, _power_of_two(commits), _power_of_two(writes), _power_of_two(stages))
+        return cls(num_tails, lanes, lane_len, _power_of_two(commits), _power_of_two(writes), _power_of_two(stages))
 
 
 def _power_of_two(count: int) -> int:

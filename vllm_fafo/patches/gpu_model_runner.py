@@ -43,6 +43,7 @@ Other drafters pass through untouched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -141,15 +142,12 @@ def apply() -> None:
     def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
                                                max_num_scheduled_tokens, *args, **kwargs):
         query_len = max_num_scheduled_tokens
-        if query_len in tier_graph_sizes(self.cudagraph_dispatcher) and num_tokens == query_len * num_reqs:
-            if kwargs.get("force_uniform_decode") is None:  # a padded tier's uniform batch, not only vLLM's own
-                kwargs["force_uniform_decode"] = True
-            with uniform_query_len(self, query_len):
-                result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                            max_num_scheduled_tokens, *args, **kwargs)
-        else:
-            result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                        max_num_scheduled_tokens, *args, **kwargs)
+        tier_batch = query_len in tier_graph_sizes(self.cudagraph_dispatcher) and num_tokens == query_len * num_reqs
+        if tier_batch and kwargs.get("force_uniform_decode") is None:  # a padded tier's uniform batch, not only vLLM's
+            kwargs["force_uniform_decode"] = True
+        with uniform_query_len(self, query_len) if tier_batch else contextlib.nullcontext():
+            result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                                        *args, **kwargs)
         drafter = _fafo_drafter(self)
         if drafter is None or drafter.step is None:
             return result

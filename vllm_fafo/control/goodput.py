@@ -133,73 +133,61 @@ _LOG_GRID = np.log(_GRID)
 
 def isotonic_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence nearest ``values`` in weighted least squares (pool
-    adjacent violators: a run that decreases becomes its weighted mean). A few dozen
-    points at most, once per step; SciPy's ``isotonic_regression`` does the same but is
-    not otherwise a dependency of vLLM or this plugin."""
-    means: list[float] = []
-    masses: list[float] = []
-    runs: list[int] = []
-    for value, weight in zip(values.tolist(), weights.tolist()):
-        means.append(value)
-        masses.append(weight)
-        runs.append(1)
-        while len(means) > 1 and means[-2] > means[-1]:
-            mass = masses[-2] + masses[-1]
-            means[-2] = (means[-2] * masses[-2] + means[-1] * masses[-1]) / mass
-            masses[-2], runs[-2] = mass, runs[-2] + runs[-1]
-            del means[-1], masses[-1], runs[-1]
-    return np.repeat(np.asarray(means, dtype=np.float64), runs)
+    adjacent violators, :func:`~vllm_fafo.control.kernels.fit_isotonic`). SciPy's
+    ``isotonic_regression`` does the same but is not otherwise a dependency of vLLM or
+    this plugin."""
+    out = np.empty(len(values))
+    kernels.fit_isotonic(np.ascontiguousarray(values, dtype=np.float64),
+                         np.ascontiguousarray(weights, dtype=np.float64), out)
+    return out
 
 
-@dataclass
 class StepCostModel:
-    """Seconds per step as a monotone function of the tokens in the forward."""
+    """Seconds per step as a monotone function of the tokens in the forward.
 
-    weight: float = 0.2
+    Kept as arrays worked by kernels (:func:`~vllm_fafo.control.kernels.observe_cost`):
+    each step's observation refits the curve once, and the controller's questions read
+    it without Python arithmetic."""
+
+    weight = 0.2
     """Weight of a new sample in its grid point's decayed mean."""
-    stale_after: int = 64
+    stale_after = 64
     """Steps after which a point's mean is replaced by its next sample, not averaged
     with it: sizes that are tried rarely (probes) must not keep an old machine's cost."""
-    forget_after: int = 512
+    forget_after = 512
     """Steps after which a point no longer counts at all: the curve is read from
     what the machine did lately, and an old expensive size gets tried again."""
-    _steps: int = 0
-    _updated_at: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID), dtype=np.int64))
-    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
-    _seconds: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
-    _samples: np.ndarray = field(default_factory=lambda: np.zeros(len(_GRID)))
-    """Samples behind each point's mean, up to the ``1 / weight`` its decay keeps (0: never seen)."""
-    _curve: tuple[np.ndarray, np.ndarray] | None = None  # read once per step, not per question
+
+    def __init__(self) -> None:
+        self._steps = np.zeros(1, dtype=np.int64)
+        self._updated_at = np.zeros(len(_GRID), dtype=np.int64)
+        self._points = np.zeros((3, len(_GRID)))
+        """Each grid point's decayed mean tokens and seconds, and the samples behind it (up to
+        the ``1 / weight`` its decay keeps; 0: never seen)."""
+        self.fitted = np.zeros((4, len(_GRID)))
+        """The curve: recent points' tokens, fitted seconds (then the kernel's scratch)."""
+        self.num_points = 0
+        """Points on the curve."""
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
             return  # a step without tokens prices nothing
-        self._steps += 1
-        self._curve = None
-        point = int(np.abs(_LOG_GRID - math.log(tokens)).argmin())
-        stale = self._steps - self._updated_at[point] > self.stale_after
-        self._updated_at[point] = self._steps
-        if stale or not self._samples[point]:
-            self._tokens[point], self._seconds[point], self._samples[point] = tokens, seconds, 1.0
-            return
-        self._tokens[point] += self.weight * (tokens - self._tokens[point])
-        self._seconds[point] += self.weight * (seconds - self._seconds[point])
-        self._samples[point] = min(self._samples[point] + 1.0, 1.0 / self.weight)
+        self.num_points = kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
+                                               float(seconds), self.weight, self.stale_after, self.forget_after,
+                                               self.fitted)
 
     @property
     def has_data(self) -> bool:
-        return len(self.curve()[0]) > 0
+        return self.num_points > 0
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
         """The recent (tokens, seconds) points, seconds made non-decreasing by a least-squares
-        fit weighted by each point's samples. (A running maximum let one slow sample at a
-        size seldom run set the price of every larger size: on the 2-core CPU the 8-token
-        point's latest sample, 58.8 ms, priced every step of 8-17 tokens, whose 11- and
-        17-token steps had medians of 45.7 and 53.8 ms.)"""
-        if self._curve is None:
-            recent = (self._samples > 0) & (self._steps - self._updated_at <= self.forget_after)
-            self._curve = self._tokens[recent], isotonic_fit(self._seconds[recent], self._samples[recent])
-        return self._curve
+        fit weighted by each point's samples (views, valid until the next :meth:`observe`).
+        (A running maximum let one slow sample at a size seldom run set the price of every
+        larger size: on the 2-core CPU the 8-token point's latest sample, 58.8 ms, priced
+        every step of 8-17 tokens, whose 11- and 17-token steps had medians of 45.7 and
+        53.8 ms.)"""
+        return self.fitted[0, : self.num_points], self.fitted[1, : self.num_points]
 
     def predict(self, tokens: np.ndarray | int) -> np.ndarray:
         """Seconds of a step with ``tokens`` tokens, interpolated between the sizes seen.
@@ -288,11 +276,14 @@ class YieldEstimates:
     _reach_by_row: np.ndarray = field(init=False, repr=False)
     _branch_reach: np.ndarray = field(init=False, repr=False)
     _read_only_views: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, repr=False)
+    _branch_rows: np.ndarray = field(init=False, repr=False)
+    """Row of :attr:`branch_trials` by rank (higher ranks share the last)."""
     _stale: bool = field(default=True, init=False, repr=False)
     _branch_stale: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.row_of_key_len = evidence_rows(self.max_key_len)
+        self._branch_rows = np.arange(BRANCH_RANKS, dtype=np.int64)
         shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
         self.position_trials, self.position_hits = np.zeros(shape), np.zeros(shape)
         self.branch_trials = np.zeros((BRANCH_RANKS, self.max_draft))
@@ -310,17 +301,12 @@ class YieldEstimates:
         self.decode_rows = d * self.decode_rows + outcome.decoding_requests
         self.text_accepted = d * self.text_accepted + outcome.text_accepted
         drafted = kernels.as_int64(outcome.draft_lengths)
-        draft_decay = self.draft_decay ** len(drafted)
-        self.position_trials *= draft_decay
-        self.position_hits *= draft_decay
-        kernels.count_chains(self.position_trials, self.position_hits, self.rows_of(outcome.key_lens), drafted,
-                             kernels.as_int64(outcome.accepted_lengths))
-        self.branch_trials *= d
-        self.branch_hits *= d
-        if len(outcome.branch_ranks):
-            ranks = np.minimum(kernels.as_int64(outcome.branch_ranks), BRANCH_RANKS - 1)
-            kernels.count_chains(self.branch_trials, self.branch_hits, ranks, kernels.as_int64(outcome.branch_lengths),
-                                 kernels.as_int64(outcome.branch_matches))
+        kernels.observe_chains(self.position_trials, self.position_hits, self.draft_decay ** len(drafted),
+                               self.row_of_key_len, kernels.as_int64(outcome.key_lens), drafted,
+                               kernels.as_int64(outcome.accepted_lengths))
+        kernels.observe_chains(self.branch_trials, self.branch_hits, d, self._branch_rows,
+                               kernels.as_int64(outcome.branch_ranks), kernels.as_int64(outcome.branch_lengths),
+                               kernels.as_int64(outcome.branch_matches))
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -366,6 +352,13 @@ class YieldEstimates:
             kernels.draft_reach(self.position_trials, self.position_hits, self._reach_overall, self._reach_by_row)
             self._stale = False
         return self._read_only_views[1]
+
+    def reach_arrays(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The reach tables, writable, and whether they are stale, for a kernel that brings
+        them up to date (:func:`~vllm_fafo.control.kernels.choose_draft_lengths`): they are
+        counted fresh from the call on."""
+        stale, self._stale = self._stale, False
+        return self._reach_overall, self._reach_by_row, stale
 
     def rows_of(self, key_lens: np.ndarray) -> np.ndarray:
         """Rows of the draft yields for drafts found under ``key_lens``."""
@@ -472,8 +465,8 @@ class GoodputController:
         """Seconds per uniform step against its decoding requests, by its draft length
         (:meth:`choose_tier`): on CUDA each tier is its own graphs, whose cost the
         token count alone does not tell (graph sizes are padded, attention differs)."""
-        self._spine_rows = np.zeros(0, dtype=np.int64)
-        """The reach rows :meth:`choose_draft_lens` chose this step's spines by, one per request."""
+        self._spine_key_lens = np.zeros(0, dtype=np.int64)
+        """The key lengths :meth:`choose_draft_lens` chose this step's spines by, one per request."""
         self._draft_positions = np.arange(max_draft)
         lengths = np.arange(max_key_len + 1)[:, None]
         self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
@@ -565,14 +558,14 @@ class GoodputController:
         plain = self._plain_cost()
         if not len(available) or not (lanes_on or plain.has_data):
             return available
-        step_seconds = self._lane_step_seconds if lanes_on else plain.predict
-        rows = self._spine_rows = self.yields.rows_of(key_lens)
-        matched = np.minimum(kernels.as_int64(key_lens), len(self._worth_share) - 1)
-        seconds = np.ascontiguousarray(step_seconds(step_tokens + np.arange(int(available.sum()) + 1)), dtype=float)
+        key_lens = self._spine_key_lens = kernels.as_int64(key_lens)
+        yields, lane_curve = self.yields, self.lane_cost
         lengths = np.zeros(len(available), dtype=np.int64)
         # ties: the earlier token first, so each request keeps a prefix
-        kernels.choose_lengths(self.yields.reach_table(), rows, self._worth_share, matched, available,
-                               float(len(available)), seconds, lengths)
+        kernels.choose_draft_lengths(yields.position_trials, yields.position_hits, *yields.reach_arrays(),
+                                     yields.row_of_key_len, self._worth_share, key_lens, available, plain.fitted,
+                                     plain.num_points, lane_curve.fitted, lane_curve.num_points if lanes_on else 0,
+                                     step_tokens, lengths)
         self.last.draft_len = int(lengths.max())
         self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
         return lengths
@@ -638,7 +631,7 @@ class GoodputController:
         cost = self._plain_cost()
         if not len(lengths) or not cost.has_data:  # a step without branches first
             return np.zeros_like(lengths)
-        reach = self.yields.reach_table()[self._spine_rows]  # (requests, max_draft), as choose_draft_lens read it
+        reach = self.yields.reach_table()[self.yields.rows_of(self._spine_key_lens)]  # as choose_draft_lens read it
         spine_lens = np.asarray(spine_lens, dtype=np.int64)
         spine_worth = np.where(np.arange(self.max_draft) < spine_lens[:, None], reach, 0.0).sum()
         reached = np.concatenate([np.ones((len(reach), 1)), reach], axis=1)  # P(first j accepted), j = 0..

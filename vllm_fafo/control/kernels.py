@@ -36,6 +36,19 @@ def count_chains(trials: np.ndarray, hits: np.ndarray, rows: np.ndarray, lengths
 
 
 @njit(cache=True)
+def observe_chains(trials: np.ndarray, hits: np.ndarray, decay: float, row_of_key: np.ndarray, keys: np.ndarray,
+                   lengths: np.ndarray, accepted: np.ndarray) -> None:
+    """Decay a yield table by ``decay`` and add chains to it (:func:`count_chains`), the
+    row of chain i being ``row_of_key[min(keys[i], len(row_of_key) - 1)]``."""
+    trials *= decay
+    hits *= decay
+    rows = np.empty(len(keys), dtype=np.int64)
+    for i in range(len(keys)):
+        rows[i] = row_of_key[min(keys[i], len(row_of_key) - 1)]
+    count_chains(trials, hits, rows, lengths, accepted)
+
+
+@njit(cache=True)
 def reach(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weights: np.ndarray,
           out: np.ndarray) -> None:
     """Per row, P(positions 1..k all accepted) into ``out``: the running product of the
@@ -93,15 +106,132 @@ def choose_lengths(reach_by_row: np.ndarray, rows: np.ndarray, worth_share: np.n
         lengths[owners[order[n]]] += 1
 
 
+@njit(cache=True)
+def fit_isotonic(values: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """Into ``out``, the non-decreasing sequence nearest ``values`` in weighted least
+    squares (pool adjacent violators: a run that decreases becomes its weighted mean)."""
+    n = len(values)
+    means = np.empty(n)
+    masses = np.empty(n)
+    runs = np.empty(n, dtype=np.int64)
+    top = 0
+    for i in range(n):
+        means[top], masses[top], runs[top] = values[i], weights[i], 1
+        top += 1
+        while top > 1 and means[top - 2] > means[top - 1]:
+            mass = masses[top - 2] + masses[top - 1]
+            means[top - 2] = (means[top - 2] * masses[top - 2] + means[top - 1] * masses[top - 1]) / mass
+            masses[top - 2] = mass
+            runs[top - 2] += runs[top - 1]
+            top -= 1
+    i = 0
+    for run in range(top):
+        for _ in range(runs[run]):
+            out[i] = means[run]
+            i += 1
+
+
+@njit(cache=True)
+def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarray, steps: np.ndarray,
+                 tokens: float, seconds: float, weight: float, stale_after: int, forget_after: int,
+                 curve: np.ndarray) -> int:
+    """A step cost model's update (:class:`~vllm_fafo.control.goodput.StepCostModel`):
+    the nearest grid point's decayed mean (``points``: tokens, seconds and samples
+    rows) takes the step of ``tokens`` tokens and ``seconds``; the recent points are
+    fitted into ``curve`` (tokens row, seconds row); returns how many there are."""
+    steps[0] += 1
+    target = np.log(tokens)
+    point, nearest = 0, np.inf
+    for i in range(len(log_grid)):
+        distance = abs(log_grid[i] - target)
+        if distance < nearest:
+            point, nearest = i, distance
+    stale = steps[0] - updated_at[point] > stale_after
+    updated_at[point] = steps[0]
+    if stale or points[2, point] == 0.0:
+        points[0, point], points[1, point], points[2, point] = tokens, seconds, 1.0
+    else:
+        points[0, point] += weight * (tokens - points[0, point])
+        points[1, point] += weight * (seconds - points[1, point])
+        points[2, point] = min(points[2, point] + 1.0, 1.0 / weight)
+    count = 0
+    for i in range(len(log_grid)):
+        if points[2, i] > 0.0 and steps[0] - updated_at[i] <= forget_after:
+            curve[0, count] = points[0, i]
+            curve[2, count] = points[1, i]
+            curve[3, count] = points[2, i]
+            count += 1
+    fit_isotonic(curve[2, :count], curve[3, :count], curve[1, :count])
+    return count
+
+
+@njit(cache=True)
+def predict_cost(curve: np.ndarray, count: int, tokens: float) -> float:
+    """Seconds of a step of ``tokens`` tokens on a fitted curve of ``count`` points:
+    interpolated (as ``np.interp``), flat above the largest size, proportional below
+    the smallest; 1 where the curve is empty."""
+    if count == 0:
+        return 1.0
+    if tokens < curve[0, 0]:
+        return curve[1, 0] * tokens / curve[0, 0]
+    return np.interp(tokens, curve[0, :count], curve[1, :count])
+
+
+@njit(cache=True)
+def step_seconds(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int, start: int,
+                 out: np.ndarray) -> None:
+    """Into ``out[i]``, the price of a step of ``start + i`` tokens on the plain curve, or,
+    with a lane curve (``lane_count`` > 0), the dearer of both."""
+    for i in range(len(out)):
+        out[i] = predict_cost(plain, plain_count, start + i)
+        if lane_count > 0:
+            out[i] = max(out[i], predict_cost(lanes, lane_count, start + i))
+
+
+@njit(cache=True, error_model="numpy")
+def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
+                         reach_by_row: np.ndarray, refresh: bool, row_of_key_len: np.ndarray,
+                         worth_share: np.ndarray, key_lens: np.ndarray, available: np.ndarray,
+                         plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int,
+                         step_tokens: int, lengths: np.ndarray) -> None:
+    """The goodput controller's whole choice of draft lengths in one call: the reach
+    tables brought up to date (``refresh``: :func:`draft_reach`), each request's row and
+    worth share by its key length, the next step's price per token count on the cost
+    curves (:func:`step_seconds`), then :func:`choose_lengths`."""
+    if refresh:
+        draft_reach(trials, hits, reach_overall, reach_by_row)
+    count = len(available)
+    longest = len(row_of_key_len) - 1
+    rows = np.empty(count, dtype=np.int64)
+    matched = np.empty(count, dtype=np.int64)
+    total = 0
+    for r in range(count):
+        key_len = min(key_lens[r], longest)
+        rows[r] = row_of_key_len[key_len]
+        matched[r] = min(key_lens[r], worth_share.shape[0] - 1)
+        total += available[r]
+    seconds = np.empty(total + 1)
+    step_seconds(plain, plain_count, lanes, lane_count, step_tokens, seconds)
+    choose_lengths(reach_by_row, rows, worth_share, matched, available, float(count), seconds, lengths)
+
+
 def load_kernels() -> None:
     """Run every kernel once on small arrays of the step's types, so that numba loads
     them (on a new machine: compiles them) while the engine starts."""
     table = np.zeros((2, 3))
     index = np.zeros(1, dtype=np.int64)
     count_chains(table, table.copy(), index, index, index)
+    observe_chains(table, table.copy(), 0.5, index, index, index, index)
     draft_reach(table, table.copy(), np.zeros(3), np.zeros((2, 3)))
     reach(table, table.copy(), np.ones(2), np.ones(2), np.zeros((2, 3)))
     reach_table = np.ones((2, 3))
     reach_table.flags.writeable = False  # the controller hands its reach table out read-only
     choose_lengths(reach_table, index, np.ones((2, 3)), index, np.ones(1, dtype=np.int64), 1.0, np.ones(2),
                    np.zeros(1, dtype=np.int64))
+    grid, curve = np.zeros(3), np.zeros((4, 3))
+    count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0, 1.0,
+                         0.5, 1, 1, curve)
+    step_seconds(curve, count, curve, count, 1, np.zeros(2))
+    choose_draft_lengths(table, table.copy(), np.zeros(3), np.zeros((2, 3)), True, np.zeros(2, dtype=np.int64),
+                         np.ones((2, 3)), index, np.ones(1, dtype=np.int64), curve, count, curve, 0, 1,
+                         np.zeros(1, dtype=np.int64))

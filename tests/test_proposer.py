@@ -225,10 +225,10 @@ def test_step_cost_does_not_grow_with_history():
         rng = np.random.default_rng(length)
         batch.add("a", rng.integers(0, 50, size=length).tolist())
         batch.step(proposer, [[1]])  # prefill seeding: proportional to the prompt, once
-        first = proposer._requests["a"].next_anchor
+        first = int(proposer._table.next_anchor[proposer._table.slot_of["a"]])
         for _ in range(20):
             batch.step(proposer, [[2, 3]])
-        per_step[length] = (proposer._requests["a"].next_anchor - first) / 20
+        per_step[length] = (int(proposer._table.next_anchor[proposer._table.slot_of["a"]]) - first) / 20
     assert per_step[100] == per_step[3000] == 2
 
 

@@ -57,7 +57,9 @@ from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
+from vllm_fafo.request_table import RequestTable
 from vllm_fafo.serving.metrics import FafoMetrics
+from vllm_fafo.serving.metrics import load_kernels as metrics_kernels
 from vllm_fafo.serving.metrics_export import SnapshotPublisher
 from vllm_fafo.serving.tp_sync import RankZeroStepTime
 from vllm_fafo.verification.draft_tree import (
@@ -83,21 +85,18 @@ LOG_INTERVAL_S = 10.0
 
 @dataclass
 class RequestState:
-    """What the proposer keeps for one running request."""
+    """What the proposer keeps for one running request as objects; its numbers are in
+    the :class:`~vllm_fafo.request_table.RequestTable` at ``slot``."""
 
     pools: tuple[NgramPool, ...]
     """Where the request files and drafts from: its own pool, then its tenant's
     shared pool (when sharing is on)."""
-    prompt_len: int
-    next_anchor: int
-    """First history position whose following n-gram is not filed yet."""
-    last_draft_origins: np.ndarray = field(default_factory=lambda: NO_ORIGINS)
-    """Where each token of the last draft came from (:class:`Origin` codes)."""
+    slot: int
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
 
 
-NO_ORIGINS = np.zeros(0, dtype=np.int32)
+LANE_CODE = ORIGIN_CODE[Origin.LANE]
 
 
 def longest_match(config: FafoConfig) -> int:
@@ -218,6 +217,7 @@ class FafoProposer:
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()
         self._requests: dict[str, RequestState] = {}
+        self._table = RequestTable(self.num_speculative_tokens)
         self._tenants: dict[str, str | None] = {}
         """Each new request's cache_salt, from its first step until its state is made."""
         self.step: FafoStep | None = None
@@ -237,6 +237,7 @@ class FafoProposer:
         load_kernels(self.config)
         controller_kernels.load_kernels()
         draft_judge.load_kernels()
+        metrics_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
@@ -423,6 +424,7 @@ class FafoProposer:
         for req_id in req_ids:
             self._tenants.pop(req_id, None)
             if self._requests.pop(req_id, None) is not None:
+                self._table.remove(req_id)
                 self.metrics.requests_freed += 1
             self.index.stop(req_id)
         self.judge.forget(req_ids)
@@ -482,35 +484,36 @@ class FafoProposer:
                 "the vllm_fafo runner patches are not applied in this process"
             )
         self.metrics.propose_calls += 1
-        decoding_rows: dict[str, int] = {}  # by request id, in row order
-        states: list[RequestState] = []
-        accepted_origins: list[np.ndarray] = []
-        for row, sampled in enumerate(sampled_token_ids):
-            if not sampled:  # a prefill chunk: nothing sampled, nothing to draft
-                continue
-            req_id = req_ids[row]
-            state = self._state_for(req_id, int(num_tokens_no_spec[row]) - len(sampled), token_ids_cpu[row])
-            # What vLLM verified: the drafts it scheduled (none after a preemption, fewer
-            # where its token budget cut them), of which len(sampled) - 1 were accepted.
-            verified = len(step.scheduled_spec_tokens.get(req_id, ()))
-            win = step.branch_wins.get(req_id)
-            accepted_origins.append(state.last_draft_origins[: min(len(sampled) - 1, verified) if win is None
-                                                             else win[0]])
-            decoding_rows[req_id] = row
-            states.append(state)
-        accepted = np.concatenate(accepted_origins) if accepted_origins else NO_ORIGINS
-        self.metrics.record_acceptance(accepted)
-        decoding_ids = list(decoding_rows)
-        decoding = np.fromiter(decoding_rows.values(), dtype=np.int64, count=len(decoding_rows))
+        table, requests, spec_tokens, wins = self._table, self._requests, step.scheduled_spec_tokens, step.branch_wins
+        rows = [row for row, sampled in enumerate(sampled_token_ids) if sampled]  # prefill chunks sample nothing
+        count = len(rows)
+        decoding_ids = [req_ids[row] for row in rows]
+        states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
+                                                              token_ids_cpu)
+                  for req_id, row in zip(decoding_ids, rows)]
+        slots = np.fromiter((state.slot for state in states), dtype=np.int64, count=count)
+        decoding = np.array(rows, dtype=np.int64)
+        # What vLLM verified: the drafts it scheduled (none after a preemption, fewer where its
+        # token budget cut them), of which len(sampled) - 1 were accepted, or a branch's win.
+        accepted = np.fromiter((len(sampled_token_ids[row]) - 1 for row in rows), dtype=np.int64, count=count)
+        verified = np.fromiter((len(spec_tokens.get(req_id, ())) for req_id in decoding_ids), dtype=np.int64,
+                               count=count)
+        np.minimum(accepted, verified, out=accepted)
+        if wins:
+            for i, req_id in enumerate(decoding_ids):
+                if req_id in wins:
+                    accepted[i] = wins[req_id][0]
+        np.minimum(accepted, table.draft_len[slots], out=accepted)
+        lane_before = int(self.metrics.accepted_counts[LANE_CODE])
+        self.metrics.record_acceptance(table.draft_origins, slots, accepted)
+        lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
         rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
-        next_anchors = np.fromiter((state.next_anchor for state in states), dtype=np.int64, count=len(states))
-        found = self.index.draft_batch(
-            decoding_ids, [state.pools for state in states], token_ids_cpu, decoding, num_tokens,
-            np.fromiter((state.prompt_len for state in states), dtype=np.int64, count=len(states)), next_anchors,
-            rooms)
-        lane_accepted = int(np.count_nonzero(accepted == ORIGIN_CODE[Origin.LANE]))
-        self._learn(step, len(decoding_rows), len(accepted), lane_accepted,
+        next_anchors = table.next_anchor[slots]
+        found = self.index.draft_batch(decoding_ids, table.owners[slots], token_ids_cpu, decoding, num_tokens,
+                                       table.prompt_len[slots], next_anchors, rooms)
+        table.next_anchor[slots] = next_anchors
+        self._learn(step, count, int(accepted.sum()), lane_accepted,
                     self.judge.judge(decoding_ids, decoding, num_tokens_no_spec, token_ids_cpu))
         self.judge.add(decoding_ids, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
         if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
@@ -519,24 +522,24 @@ class FafoProposer:
             np.minimum(rooms, tier, out=rooms)
             np.minimum(found.lengths, rooms, out=found.lengths)
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
-            self.metrics.record_padded_step(tier, len(decoding))
+            self.metrics.record_padded_step(tier, count)
             lengths = found.lengths
         else:
             lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
             np.minimum(found.lengths, lengths, out=found.lengths)
         self.metrics.record_drafts(found.origins, found.lengths)
+        table.draft_len[slots] = found.lengths
+        table.draft_origins[slots, : found.origins.shape[1]] = found.origins
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for i, (row, state, tokens, length) in enumerate(zip(decoding.tolist(), states, found.tokens.tolist(),
-                                                             found.lengths.tolist())):
-            state.next_anchor = int(next_anchors[i])
-            state.last_draft_origins = found.origins[i, :length]
+        for row, tokens, length in zip(rows, found.tokens.tolist(), found.lengths.tolist()):
             drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)
-            if self.tree_enabled and req_ids[row] in step.tree_eligible:
-                state.branches = grow_branches(
-                    state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
-                    drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
-                )
         if self.tree_enabled:
+            for i, (row, state) in enumerate(zip(rows, states)):
+                if req_ids[row] in step.tree_eligible:
+                    state.branches = grow_branches(
+                        state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
+                        drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
+                    )
             self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), states, lengths)
         return drafts
 
@@ -645,23 +648,24 @@ class FafoProposer:
             )
 
     # Internals -----------------------------------------------------------------------
-    def _state_for(self, req_id: str, prompt_len: int, history: np.ndarray) -> RequestState:
-        state = self._requests.get(req_id)
-        if state is None:
-            if self.lanes is not None:
-                self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
-            try:
-                tenant = self._tenants.pop(req_id)
-            except KeyError:
-                raise RuntimeError(
-                    f"FafoProposer: request {req_id!r} decodes without having been announced "
-                    "by begin_step (the runner patches are not applied in this process)"
-                ) from None
-            state = RequestState(
-                pools=self.index.new_pools(req_id, tenant, history[:prompt_len]),
-                prompt_len=prompt_len,
-                next_anchor=first_anchor(self.config, prompt_len),
-            )
-            self._requests[req_id] = state
-            self.metrics.requests_started += 1
+    def _start_request(self, req_id: str, row: int, num_tokens_no_spec: np.ndarray,
+                       sampled_token_ids: list[list[int]], token_ids_cpu: np.ndarray) -> RequestState:
+        """The state of a request decoding for the first time (row ``row``): its prompt is
+        its text up to the tokens sampled this step."""
+        prompt_len = int(num_tokens_no_spec[row]) - len(sampled_token_ids[row])
+        history = token_ids_cpu[row]
+        if self.lanes is not None:
+            self.lanes.start_lanes(req_id, history[:prompt_len].tolist())
+        try:
+            tenant = self._tenants.pop(req_id)
+        except KeyError:
+            raise RuntimeError(
+                f"FafoProposer: request {req_id!r} decodes without having been announced "
+                "by begin_step (the runner patches are not applied in this process)"
+            ) from None
+        pools = self.index.new_pools(req_id, tenant, history[:prompt_len])
+        owners = (pools[0].owner, pools[1].owner if len(pools) > 1 else -1)
+        slot = self._table.add(req_id, owners, prompt_len, first_anchor(self.config, prompt_len))
+        state = self._requests[req_id] = RequestState(pools, slot)
+        self.metrics.requests_started += 1
         return state

@@ -129,15 +129,6 @@ class TenantTexts:
         self._capacities[text] = self.lengths[text] = 0
         self._free_texts.append(text)
 
-    def ensure_room(self, req_ids: list[str], num_tokens: np.ndarray) -> None:
-        """Grow the running texts that ``num_tokens`` would overflow, and the places' arena
-        for the keys they add (before a step's kernel)."""
-        texts = np.fromiter((self._running[req_id].text for req_id in req_ids), dtype=np.int64, count=len(req_ids))
-        short = np.flatnonzero(num_tokens > self._capacities[texts])
-        for i in short.tolist():
-            self._place(int(texts[i]), 2 * int(num_tokens[i]))
-        self.positions.reserve(2 * int(np.maximum(num_tokens - self.lengths[texts], 0).sum()) + 2, 2)
-
     # requests -------------------------------------------------------------------------
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
         """A new request: its prompt is the first text it matches in; its answer is
@@ -162,22 +153,28 @@ class TenantTexts:
                 self._evict(*next(iter(self._answers)))
         self._drop_idle_tenants()
 
-    def batch_arrays(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def step_arrays(self, req_ids: list[str], num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each running request's (text id, own owner, answers owner: -1 where its answer
-        is not kept for others), as the step's kernel takes them."""
+        is not kept for others), as the step's kernel takes them, with room made for its
+        text to grow to ``num_tokens`` and for the places that adds."""
         running = [self._running[req_id] for req_id in req_ids]
         count = len(running)
-        return (np.fromiter((r.text for r in running), dtype=np.int64, count=count),
-                np.fromiter((r.own for r in running), dtype=np.int64, count=count),
-                np.fromiter((self._tenants[r.tenant].answers if r.answer_kept and self.cached_answers else -1
-                             for r in running), dtype=np.int64, count=count))
+        texts = np.fromiter((r.text for r in running), dtype=np.int64, count=count)
+        short = num_tokens > self._capacities[texts]
+        if short.any():
+            for i in np.flatnonzero(short).tolist():
+                self._place(int(texts[i]), 2 * int(num_tokens[i]))
+        self.positions.reserve(2 * int(np.maximum(num_tokens - self.lengths[texts], 0).sum()) + 2, 2)
+        kept = self.cached_answers > 0
+        return (texts, np.fromiter((r.own for r in running), dtype=np.int64, count=count),
+                np.fromiter((self._tenants[r.tenant].answers if r.answer_kept and kept else -1 for r in running),
+                            dtype=np.int64, count=count))
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length (one
         request; the step drafts every request inside its kernel)."""
-        self.ensure_room([req_id], np.array([num_tokens]))
-        texts, owns, answers = self.batch_arrays([req_id])
+        texts, owns, answers = self.step_arrays([req_id], np.array([num_tokens]))
         text = int(texts[0])
         self.feed(text, int(owns[0]), int(answers[0]), np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:

@@ -100,14 +100,15 @@ class DraftIndex:
         if self.texts is not None:
             self.texts.stop(req_id)
 
-    def draft_batch(self, req_ids: list[str], pools: list[tuple[NgramPool, ...]], history: np.ndarray,
-                    rows: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
+    def draft_batch(self, req_ids: list[str], owners: np.ndarray, history: np.ndarray, rows: np.ndarray,
+                    num_tokens: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
                     rooms: np.ndarray) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
-        since ``next_anchors[i]`` (int64, advanced in place) and draft up to ``rooms[i]``
-        tokens: the deep match of its text's end, chained on from its pools, else its
-        pools' chain, where they miss the frozen table, then the prior table. One kernel
-        call (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`)."""
+        since ``next_anchors[i]`` (int64, advanced in place) into its pools ``owners[i]``
+        (:func:`pool_owners`) and draft up to ``rooms[i]`` tokens: the deep match of its
+        text's end, chained on from its pools, else its pools' chain, where they miss the
+        frozen table, then the prior table. One kernel call
+        (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`)."""
         config = self.config
         count = len(req_ids)
         rows, num_tokens, prompt_lens, rooms = (np.asarray(a, dtype=np.int64) for a in (rows, num_tokens, prompt_lens,
@@ -115,12 +116,9 @@ class DraftIndex:
         width = max(1, int(rooms.max(initial=0)))
         texts = self._no_texts
         if self.texts is not None:
-            self.texts.ensure_room(req_ids, num_tokens)
             t = self.texts
-            texts = (t.positions.state, t.store, t.starts, t.lengths, *t.batch_arrays(req_ids), t.key_len, True)
-        own = np.fromiter((request[0].owner for request in pools), dtype=np.int64, count=count)
-        shared = np.fromiter((request[1].owner if len(request) > 1 else -1 for request in pools), dtype=np.int64,
-                             count=count)
+            step_arrays = t.step_arrays(req_ids, num_tokens)  # first: it may move the arrays read next
+            texts = (t.positions.state, t.store, t.starts, t.lengths, *step_arrays, t.key_len, True)
         ngram_len = config.ngram_len
         stops = num_tokens - ngram_len
         if not config.seed_from_output:
@@ -135,7 +133,7 @@ class DraftIndex:
                            dtype=np.int32)
         step_kernel.file_and_draft(
             self.arena.state, self._frozen_state, -1 if self.frozen is None else self.frozen.owner, self._prior,
-            self._prior_lens, texts, history, rows, num_tokens, prompt_lens, next_anchors, own, shared, rooms,
+            self._prior_lens, texts, history, rows, num_tokens, prompt_lens, next_anchors, owners, rooms,
             ngram_len, config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
         if self.shared is not None:
             self.shared.trim()
@@ -149,6 +147,15 @@ class DraftIndex:
             self.texts.clear()
 
 
+def pool_owners(pools: list[tuple[NgramPool, ...]]) -> np.ndarray:
+    """(requests, 2) arena owner ids of each request's own pool and its tenant's shared
+    pool (-1: none), as :meth:`DraftIndex.draft_batch` takes them."""
+    owners = np.full((len(pools), 2), -1, dtype=np.int64)
+    for i, request in enumerate(pools):
+        owners[i, : len(request)] = [pool.owner for pool in request]
+    return owners
+
+
 def load_kernels(config: FafoConfig) -> None:
     """Run the draft index's kernels once, on a throwaway index with ``config``'s settings,
     so that numba loads them (on a new machine: compiles them, into its cache) while the
@@ -157,7 +164,7 @@ def load_kernels(config: FafoConfig) -> None:
     index = DraftIndex(config)
     history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
     pools = index.new_pools("warm-up", None, history[0, :32])
-    index.draft_batch(["warm-up"], [pools], history, np.zeros(1, dtype=np.int64), np.array([40]), np.array([32]),
+    index.draft_batch(["warm-up"], pool_owners([pools]), history, np.zeros(1, dtype=np.int64), np.array([40]), np.array([32]),
                       np.zeros(1, dtype=np.int64), np.array([4]))
     add_each_to_pools([pools], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(pools, [1, 2]))

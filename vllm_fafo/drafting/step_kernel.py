@@ -42,12 +42,12 @@ def _prior_piece(prior, prior_lens, token):
 
 @njit(cache=True)
 def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, prompt_lens,
-                   next_anchors, own, shared, rooms, ngram_len, seed_from_output, drafts, origins, draft_lens,
+                   next_anchors, owners, rooms, ngram_len, seed_from_output, drafts, origins, draft_lens,
                    key_lens, scratch, context):
     """One step's filing and drafting for every decoding request, in row order (the
     Python proposer's loop): file the n-grams ``history[row]`` completed since
-    ``next_anchors[i]`` into the request's pool ``own[i]`` and its tenant's ``shared[i]``
-    (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
+    ``next_anchors[i]`` into the request's pool ``owners[i, 0]`` and its tenant's shared
+    pool ``owners[i, 1]`` (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
     (a deep match) first, then chained candidates of the pools, where they miss
     Cacheback's frozen table (``frozen_owner`` >= 0), then the prior table
     (``prior_lens`` non-empty), whose next token votes where the pools rank by votes.
@@ -63,6 +63,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
     for i in range(len(rows)):
+        own, shared = owners[i, 0], owners[i, 1]
         hist = history[rows[i]]
         n_tok = num_tokens[i]
         # file the completed n-grams (anchors whose n-gram is whole)
@@ -73,9 +74,9 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             end = anchor + 1
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[i] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
-            file_candidate(st, own[i], hist, k0, end, hist, end, end + ngram_len, origin)
-            if shared[i] >= 0:
-                file_candidate(st, shared[i], hist, k0, end, hist, end, end + ngram_len, origin)
+            file_candidate(st, own, hist, k0, end, hist, end, end + ngram_len, origin)
+            if shared >= 0:
+                file_candidate(st, shared, hist, k0, end, hist, end, end + ngram_len, origin)
         if stop > next_anchors[i]:
             next_anchors[i] = stop
         room = rooms[i]
@@ -130,7 +131,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                 guess = frozen[ST_E_TOK][guess_entry, 0]
             elif guess_len > 0:
                 guess = prior[context[n_ctx - 1], 0]
-            which, entry, key_len = match_pair(st, own[i], st, shared[i], context, c0, n_ctx,
+            which, entry, key_len = match_pair(st, own, st, shared, context, c0, n_ctx,
                                                guess if votes else -1, scratch)
             if which >= 0:
                 piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]

@@ -13,17 +13,43 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from vllm_fafo.drafting.pool import ORIGIN_CODE, ORIGINS, Origin
 
+LOOKUPS, POOL_HITS = 0, 1
+"""Rows of :attr:`FafoMetrics.draft_counts`."""
 
-def _per_origin() -> dict[str, int]:
-    return {origin.value: 0 for origin in Origin}
+
+@njit(cache=True)
+def count_drafts(origins: np.ndarray, lengths: np.ndarray, pad: int, proposed: np.ndarray,
+                 totals: np.ndarray) -> None:
+    """Add one step's drafts (row i: its first ``lengths[i]`` tokens' origin codes) to
+    ``proposed`` (by origin) and ``totals`` (lookups, hits: drafts not empty nor filler only)."""
+    for i in range(len(lengths)):
+        totals[LOOKUPS] += 1
+        if lengths[i] > 0 and origins[i, 0] != pad:
+            totals[POOL_HITS] += 1
+        for k in range(lengths[i]):
+            proposed[origins[i, k]] += 1
+
+
+@njit(cache=True)
+def count_accepted(origins: np.ndarray, rows: np.ndarray, accepted: np.ndarray, counts: np.ndarray) -> None:
+    """Add the accepted prefixes ``origins[rows[i], :accepted[i]]`` to ``counts`` by origin."""
+    for i in range(len(rows)):
+        for k in range(accepted[i]):
+            counts[origins[rows[i], k]] += 1
+
+
+def _per_origin(counts: np.ndarray) -> dict[str, int]:
+    return {origin.value: n for origin, n in zip(ORIGINS, counts.tolist())}
 
 
 @dataclass
 class FafoMetrics:
-    """Running totals of one proposer (one worker)."""
+    """Running totals of one proposer (one worker). The per-step counts are arrays the
+    step's kernels add to (:func:`count_drafts`, :func:`count_accepted`)."""
 
     propose_calls: int = 0
     tail_tokens: int = 0
@@ -37,14 +63,32 @@ class FafoMetrics:
     """Request-steps where a branch got further than the spine."""
     branch_accepted_tokens: int = 0
     """Tokens accepted from branches off the spine (beyond the spine's accepted prefix)."""
-    lookups: int = 0
-    pool_hits: int = 0
     requests_started: int = 0
     requests_freed: int = 0
-    proposed_tokens: dict[str, int] = field(default_factory=_per_origin)
-    accepted_tokens: dict[str, int] = field(default_factory=_per_origin)
     padded_request_steps: dict[str, int] = field(default_factory=dict)
     """``pad_drafts``: decoding request-steps by the draft length their step was padded to."""
+    draft_counts: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64), repr=False)
+    """Pool lookups (one per decoding request per step) and hits (:data:`LOOKUPS`, :data:`POOL_HITS`)."""
+    proposed_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(ORIGINS), dtype=np.int64), repr=False)
+    """Draft tokens proposed, by :class:`Origin` code."""
+    accepted_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(ORIGINS), dtype=np.int64), repr=False)
+    """Draft tokens accepted, by :class:`Origin` code."""
+
+    @property
+    def lookups(self) -> int:
+        return int(self.draft_counts[LOOKUPS])
+
+    @property
+    def pool_hits(self) -> int:
+        return int(self.draft_counts[POOL_HITS])
+
+    @property
+    def proposed_tokens(self) -> dict[str, int]:
+        return _per_origin(self.proposed_counts)
+
+    @property
+    def accepted_tokens(self) -> dict[str, int]:
+        return _per_origin(self.accepted_counts)
 
     def record_padded_step(self, draft_len: int, requests: int) -> None:
         key = str(draft_len)
@@ -52,24 +96,27 @@ class FafoMetrics:
 
     def record_drafts(self, origins: np.ndarray, lengths: np.ndarray) -> None:
         """One step's drafts, row ``i`` its first ``lengths[i]`` tokens' origins
-        (:class:`Origin` codes); an empty draft, or filler only, is a miss."""
-        self.lookups += len(lengths)
-        if not len(lengths):
-            return
-        self.pool_hits += int(np.count_nonzero((lengths > 0) & (origins[:, 0] != ORIGIN_CODE[Origin.PAD])))
-        _count(self.proposed_tokens, origins[np.arange(origins.shape[1]) < lengths[:, None]])
+        (:class:`Origin` codes, int32); an empty draft, or filler only, is a miss."""
+        count_drafts(origins, lengths, ORIGIN_CODE[Origin.PAD], self.proposed_counts, self.draft_counts)
 
-    def record_acceptance(self, origins: np.ndarray) -> None:
-        """The accepted prefixes of the last drafts, by token origin (codes)."""
-        _count(self.accepted_tokens, origins)
+    def record_acceptance(self, origins: np.ndarray, rows: np.ndarray, accepted: np.ndarray) -> None:
+        """The accepted prefixes of the last drafts: ``origins[rows[i], :accepted[i]]``
+        (:class:`Origin` codes, int32) for each request i that decoded."""
+        count_accepted(origins, rows, accepted, self.accepted_counts)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        counts = asdict(self)
+        del counts["draft_counts"], counts["proposed_counts"], counts["accepted_counts"]
+        return {**counts, "lookups": self.lookups, "pool_hits": self.pool_hits,
+                "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens}
 
 
-def _count(counts: dict[str, int], codes: np.ndarray) -> None:
-    for code, n in enumerate(np.bincount(codes.reshape(-1), minlength=len(ORIGINS)).tolist()):
-        counts[ORIGINS[code].value] += n
+def load_kernels() -> None:
+    """Run the counting kernels once on the step's types, so that numba loads them
+    (on a new machine: compiles them) while the engine starts."""
+    origins, lengths = np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int64)
+    count_drafts(origins, lengths, 0, np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64))
+    count_accepted(origins, np.zeros(1, dtype=np.int64), lengths, np.zeros(1, dtype=np.int64))
 
 
 def worker_metrics(worker: Any) -> dict[str, Any] | None:

@@ -1,0 +1,63 @@
+"""The proposer's per-request numbers, as arrays by slot.
+
+A request gets a slot when it first decodes and frees it when it finishes;
+the step reads and writes every decoding request's numbers at once, by its
+slots (fancy indexing, the step's kernels), instead of one Python object per
+request: the step's host time grows with the batch only in the loops vLLM's
+proposer contract itself needs (its lists of sampled and drafted tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RequestTable:
+    """Slots of running requests: where they file (``owners``), how far their text is
+    filed (``next_anchor``), their prompt's length, and their last draft's origins
+    (what the metrics count as accepted once vLLM verified it)."""
+
+    def __init__(self, max_draft: int, capacity: int = 64) -> None:
+        self.slot_of: dict[str, int] = {}
+        self.max_draft = max(1, max_draft)
+        self._free: list[int] = []
+        self.owners = np.zeros((0, 2), dtype=np.int64)
+        """The request's own pool and its tenant's shared pool (-1: none): arena owner ids."""
+        self.prompt_len = np.zeros(0, dtype=np.int64)
+        self.next_anchor = np.zeros(0, dtype=np.int64)
+        """First history position whose following n-gram is not filed yet."""
+        self.draft_len = np.zeros(0, dtype=np.int64)
+        self.draft_origins = np.zeros((0, self.max_draft), dtype=np.int32)
+        """The last draft's tokens' :class:`~vllm_fafo.drafting.pool.Origin` codes."""
+        self._grow(capacity)
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.prompt_len)
+        self.owners = np.concatenate([self.owners, np.full((capacity - old, 2), -1, dtype=np.int64)])
+        for name in ("prompt_len", "next_anchor", "draft_len"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(capacity - old, dtype=np.int64)]))
+        self.draft_origins = np.concatenate(
+            [self.draft_origins, np.zeros((capacity - old, self.max_draft), dtype=np.int32)])
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slot taken first
+
+    def add(self, req_id: str, owners: tuple[int, int], prompt_len: int, next_anchor: int) -> int:
+        """A new request's slot, with its numbers set (no draft yet)."""
+        if not self._free:
+            self._grow(2 * len(self.prompt_len))
+        slot = self._free.pop()
+        self.slot_of[req_id] = slot
+        self.owners[slot] = owners
+        self.prompt_len[slot], self.next_anchor[slot], self.draft_len[slot] = prompt_len, next_anchor, 0
+        return slot
+
+    def remove(self, req_id: str) -> bool:
+        """Free a finished request's slot; whether it had one."""
+        slot = self.slot_of.pop(req_id, None)
+        if slot is None:
+            return False
+        self.owners[slot] = -1
+        self._free.append(slot)
+        return True

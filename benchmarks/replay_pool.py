@@ -65,7 +65,7 @@ import numpy as np
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import GoodputController, StepOutcome
-from vllm_fafo.drafting.index import DraftIndex, first_anchor, pool_owners
+from vllm_fafo.drafting.index import DraftIndex, first_anchor
 from vllm_fafo.drafting.pool import alternatives_in
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
@@ -174,8 +174,8 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         running = payload
         num_tokens = np.array([request.num_tokens for request in running], dtype=np.int64)
         next_anchors = np.array([request.next_anchor for request in running], dtype=np.int64)
-        found = index.draft_batch([request.req_id for request in running], pool_owners([request.pools for request in running]),
-                                  _stacked(running), np.arange(len(running)), num_tokens,
+        owners = np.stack([index.owners(request.req_id, request.pools) for request in running])
+        found = index.draft_batch(owners, _stacked(running), np.arange(len(running)), num_tokens,
                                   np.array([request.prompt_len for request in running], dtype=np.int64),
                                   next_anchors, np.full(len(running), k, dtype=np.int64))
         key_lens = found.key_lens.tolist()

@@ -18,7 +18,7 @@ import tests.reference_deep_match as reference_deep_match
 import tests.reference_pool as reference
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.drafting import pool as native
-from vllm_fafo.drafting.index import DraftIndex, pool_owners
+from vllm_fafo.drafting.index import DraftIndex
 from vllm_fafo.drafting.prior_table import PriorTable
 
 SETTINGS = {
@@ -227,7 +227,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers)
             req["ref_anchor"] = max(req["ref_anchor"], req["n"] - ngram_len)
         shared_refs.trim()
         anchors = np.array([req["anchor"] for req in live], dtype=np.int64)
-        found = index.draft_batch([req["id"] for req in live], pool_owners([req["pools"] for req in live]),
+        found = index.draft_batch(np.stack([index.owners(req["id"], req["pools"]) for req in live]),
                                   np.stack([req["text"] for req in live]), np.arange(len(live)),
                                   np.array([req["n"] for req in live]), np.full(len(live), 20), anchors,
                                   np.full(len(live), room))
@@ -261,8 +261,8 @@ def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_
     draft, its origins and the context length it matched."""
     history = np.asarray([history], dtype=np.int32)
     n = history.shape[1]
-    found = index.draft_batch([req_id], pool_owners([pools]), history, np.array([0]), np.array([n]), np.array([prompt_len]),
-                              np.array([next_anchor]), np.array([room]))
+    found = index.draft_batch(index.owners(req_id, pools)[None], history, np.array([0]), np.array([n]),
+                              np.array([prompt_len]), np.array([next_anchor]), np.array([room]))
     length = int(found.lengths[0])
     return (found.tokens[0, :length].tolist(), [native.ORIGINS[c] for c in found.origins[0, :length].tolist()],
             int(found.key_lens[0]))

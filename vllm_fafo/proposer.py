@@ -510,7 +510,7 @@ class FafoProposer:
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
         rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
         next_anchors = table.next_anchor[slots]
-        found = self.index.draft_batch(decoding_ids, table.owners[slots], token_ids_cpu, decoding, num_tokens,
+        found = self.index.draft_batch(table.owners[slots], token_ids_cpu, decoding, num_tokens,
                                        table.prompt_len[slots], next_anchors, rooms)
         table.next_anchor[slots] = next_anchors
         self._learn(step, count, int(accepted.sum()), lane_accepted,
@@ -664,8 +664,8 @@ class FafoProposer:
                 "by begin_step (the runner patches are not applied in this process)"
             ) from None
         pools = self.index.new_pools(req_id, tenant, history[:prompt_len])
-        owners = (pools[0].owner, pools[1].owner if len(pools) > 1 else -1)
-        slot = self._table.add(req_id, owners, prompt_len, first_anchor(self.config, prompt_len))
+        slot = self._table.add(req_id, self.index.owners(req_id, pools), prompt_len,
+                               first_anchor(self.config, prompt_len))
         state = self._requests[req_id] = RequestState(pools, slot)
         self.metrics.requests_started += 1
         return state

@@ -21,8 +21,8 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self.max_draft = max(1, max_draft)
         self._free: list[int] = []
-        self.owners = np.zeros((0, 2), dtype=np.int64)
-        """The request's own pool and its tenant's shared pool (-1: none): arena owner ids."""
+        self.owners = np.zeros((0, 4), dtype=np.int64)
+        """The request's ids in the draft index (:meth:`~vllm_fafo.drafting.index.DraftIndex.owners`)."""
         self.prompt_len = np.zeros(0, dtype=np.int64)
         self.next_anchor = np.zeros(0, dtype=np.int64)
         """First history position whose following n-gram is not filed yet."""
@@ -36,14 +36,14 @@ class RequestTable:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.prompt_len)
-        self.owners = np.concatenate([self.owners, np.full((capacity - old, 2), -1, dtype=np.int64)])
+        self.owners = np.concatenate([self.owners, np.full((capacity - old, 4), -1, dtype=np.int64)])
         for name in ("prompt_len", "next_anchor", "draft_len"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(capacity - old, dtype=np.int64)]))
         self.draft_origins = np.concatenate(
             [self.draft_origins, np.zeros((capacity - old, self.max_draft), dtype=np.int32)])
         self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slot taken first
 
-    def add(self, req_id: str, owners: tuple[int, int], prompt_len: int, next_anchor: int) -> int:
+    def add(self, req_id: str, owners: np.ndarray, prompt_len: int, next_anchor: int) -> int:
         """A new request's slot, with its numbers set (no draft yet)."""
         if not self._free:
             self._grow(2 * len(self.prompt_len))

@@ -80,8 +80,12 @@ class TenantTexts:
         self._store_end = 0
         self.starts = np.zeros(64, dtype=np.int64)
         self.lengths = np.zeros(64, dtype=np.int64)
-        self._capacities = np.zeros(64, dtype=np.int64)
+        self.capacities = np.zeros(64, dtype=np.int64)
+        """Tokens each text's segment of the store holds (0: a free text id)."""
         self._answer_starts = np.zeros(64, dtype=np.int64)
+        self.answers_of = np.full(64, -1, dtype=np.int64)
+        """Each text's answers owner where it is an answer kept for its tenant (a running request
+        files its new places there too), else -1."""
         self._free_texts = list(range(63, -1, -1))
         self._tenants: OrderedDict[str | None, _Tenant] = OrderedDict()
         self._running: dict[str, _Running] = {}
@@ -92,11 +96,12 @@ class TenantTexts:
     def _new_text(self, tokens: np.ndarray) -> int:
         if not self._free_texts:
             size = len(self.starts)
-            for name in ("starts", "lengths", "_capacities", "_answer_starts"):
+            for name in ("starts", "lengths", "capacities", "_answer_starts"):
                 setattr(self, name, np.concatenate([getattr(self, name), np.zeros(size, dtype=np.int64)]))
+            self.answers_of = np.concatenate([self.answers_of, np.full(size, -1, dtype=np.int64)])
             self._free_texts = list(range(2 * size - 1, size - 1, -1))
         text = self._free_texts.pop()
-        self._capacities[text] = 0
+        self.capacities[text] = 0
         self._place(text, max(64, 2 * len(tokens)))
         self.store[self.starts[text] : self.starts[text] + len(tokens)] = tokens
         self.lengths[text] = self._answer_starts[text] = len(tokens)
@@ -106,33 +111,36 @@ class TenantTexts:
         """Give ``text`` a segment of ``capacity`` tokens (its tokens moved along)."""
         if self._store_end + capacity > len(self.store):
             self._compact(capacity)
-        start, length = self._store_end, int(self.lengths[text]) if self._capacities[text] else 0
+        start, length = self._store_end, int(self.lengths[text]) if self.capacities[text] else 0
         old = int(self.starts[text])
         self.store[start : start + length] = self.store[old : old + length]
-        self.starts[text], self._capacities[text] = start, capacity
+        self.starts[text], self.capacities[text] = start, capacity
         self._store_end += capacity
 
     def _compact(self, room: int) -> None:
         """Move the live texts together (into a larger store where they and ``room`` do not fit in half)."""
-        live = np.flatnonzero(self._capacities > 0).tolist()
-        needed = sum(int(self._capacities[text]) for text in live) + room
+        live = np.flatnonzero(self.capacities > 0).tolist()
+        needed = sum(int(self.capacities[text]) for text in live) + room
         store = np.zeros(max(len(self.store), 2 * needed), dtype=np.int32)
         end = 0
         for text in live:
             start, length = int(self.starts[text]), int(self.lengths[text])
             store[end : end + length] = self.store[start : start + length]
             self.starts[text] = end
-            end += int(self._capacities[text])
+            end += int(self.capacities[text])
         self.store, self._store_end = store, end
 
     def _free_text(self, text: int) -> None:
-        self._capacities[text] = self.lengths[text] = 0
+        self.capacities[text] = self.lengths[text] = 0
+        self.answers_of[text] = -1
         self._free_texts.append(text)
 
     # requests -------------------------------------------------------------------------
-    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
+    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:
         """A new request: its prompt is the first text it matches in; its answer is
-        kept for later requests of its tenant (the oldest answer kept goes)."""
+        kept for later requests of its tenant (the oldest answer kept goes). Returns its
+        text id and the owner of the places in its own text, as the step's kernel takes
+        them (:meth:`ids`)."""
         cache = self._tenants.get(tenant)
         if cache is None:
             cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
@@ -148,41 +156,39 @@ class TenantTexts:
         cache.kept[req_id] = text
         self._running[req_id] = _Running(tenant, text, own, True)
         if self.cached_answers:
+            self.answers_of[text] = cache.answers
             self._answers[(tenant, req_id)] = None
             while len(self._answers) > self.cached_answers:
                 self._evict(*next(iter(self._answers)))
         self._drop_idle_tenants()
+        return text, own
 
-    def step_arrays(self, req_ids: list[str], num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each running request's (text id, own owner, answers owner: -1 where its answer
-        is not kept for others), as the step's kernel takes them, with room made for its
-        text to grow to ``num_tokens`` and for the places that adds."""
-        running = [self._running[req_id] for req_id in req_ids]
-        count = len(running)
-        texts = np.fromiter((r.text for r in running), dtype=np.int64, count=count)
-        short = num_tokens > self._capacities[texts]
-        if short.any():
-            for i in np.flatnonzero(short).tolist():
-                self._place(int(texts[i]), 2 * int(num_tokens[i]))
+    def ids(self, req_id: str) -> tuple[int, int]:
+        """A running request's text id and the owner of the places in its own text."""
+        running = self._running[req_id]
+        return running.text, running.own
+
+    def make_room(self, texts: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Grow the texts ``texts`` that ``num_tokens`` would overflow, and the places' arena
+        for the keys they add (where the step's kernel found no room)."""
+        for i in np.flatnonzero(num_tokens > self.capacities[texts]).tolist():
+            self._place(int(texts[i]), 2 * int(num_tokens[i]))
         self.positions.reserve(2 * int(np.maximum(num_tokens - self.lengths[texts], 0).sum()) + 2, 2)
-        kept = self.cached_answers > 0
-        return (texts, np.fromiter((r.own for r in running), dtype=np.int64, count=count),
-                np.fromiter((self._tenants[r.tenant].answers if r.answer_kept and kept else -1 for r in running),
-                            dtype=np.int64, count=count))
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length (one
         request; the step drafts every request inside its kernel)."""
-        texts, owns, answers = self.step_arrays([req_id], np.array([num_tokens]))
-        text = int(texts[0])
-        self.feed(text, int(owns[0]), int(answers[0]), np.ascontiguousarray(history, dtype=np.int32), num_tokens)
+        text, own = self.ids(req_id)
+        answers = int(self.answers_of[text])
+        self.make_room(np.array([text]), np.array([num_tokens]))
+        self.feed(text, own, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
         found, end, depth = text_kernels.deep_match(
             self.positions.state, self.store, self.starts, self.lengths, context, len(context), self.key_len,
-            int(owns[0]), int(answers[0]), text, np.zeros(MAX_POSITIONS, dtype=np.int64))
+            own, answers, text, np.zeros(MAX_POSITIONS, dtype=np.int64))
         if depth == 0:
             return [], 0
         start = int(self.starts[found]) + end + 1
@@ -240,6 +246,7 @@ class TenantTexts:
         running = self._running.get(req_id)
         if running is not None and running.text == text:
             running.answer_kept = False
+            self.answers_of[text] = -1
         else:
             self._free_text(text)
 

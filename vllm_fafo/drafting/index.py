@@ -80,9 +80,9 @@ class DraftIndex:
         self._scratch = frozen.arena.scratch if frozen is not None and frozen.capacity > self.arena.capacity \
             else self.arena.scratch
         empty = np.zeros(0, dtype=np.int64)
-        self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, empty, 1,
-                          False)
+        self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, 1, False)
         """The kernel's deep-match arguments where there are none (the modes)."""
+        self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
 
     def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
         """A new request's pools (its own, then its tenant's shared one); its prompt is
@@ -95,49 +95,78 @@ class DraftIndex:
             self.texts.start(req_id, tenant, prompt)
         return (own,) if self.shared is None else (own, self.shared.pool_for(tenant))
 
+    def owners(self, req_id: str, pools: tuple[NgramPool, ...]) -> np.ndarray:
+        """A running request's ids in the index, as :meth:`draft_batch` takes them: its own
+        pool's and its tenant's shared pool's owners, its text and the owner of the places
+        in it (-1: none)."""
+        ids = np.full(4, -1, dtype=np.int64)
+        ids[: len(pools)] = [pool.owner for pool in pools]
+        if self.texts is not None:
+            ids[2:] = self.texts.ids(req_id)
+        return ids
+
     def stop(self, req_id: str) -> None:
         """A request finished: its answer stays for deep matches of later requests."""
         if self.texts is not None:
             self.texts.stop(req_id)
 
-    def draft_batch(self, req_ids: list[str], owners: np.ndarray, history: np.ndarray, rows: np.ndarray,
-                    num_tokens: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
-                    rooms: np.ndarray) -> BatchDrafts:
+    def draft_batch(self, owners: np.ndarray, history: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
+                    prompt_lens: np.ndarray, next_anchors: np.ndarray, rooms: np.ndarray) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
-        since ``next_anchors[i]`` (int64, advanced in place) into its pools ``owners[i]``
-        (:func:`pool_owners`) and draft up to ``rooms[i]`` tokens: the deep match of its
-        text's end, chained on from its pools, else its pools' chain, where they miss the
-        frozen table, then the prior table. One kernel call
-        (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`)."""
+        since ``next_anchors[i]`` (int64, advanced in place) into its pools and draft up to
+        ``rooms[i]`` tokens: the deep match of its text's end, chained on from its pools,
+        else its pools' chain, where they miss the frozen table, then the prior table.
+        ``owners[i]``: the request's ids (:meth:`owners`). One kernel call
+        (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`), which first checks that
+        everything it may add fits (the arrays grow here, outside it, where not). The
+        drafts are views of buffers the next call reuses."""
         config = self.config
-        count = len(req_ids)
         rows, num_tokens, prompt_lens, rooms = (np.asarray(a, dtype=np.int64) for a in (rows, num_tokens, prompt_lens,
                                                                                          rooms))
-        width = max(1, int(rooms.max(initial=0)))
-        texts = self._no_texts
-        if self.texts is not None:
-            t = self.texts
-            step_arrays = t.step_arrays(req_ids, num_tokens)  # first: it may move the arrays read next
-            texts = (t.positions.state, t.store, t.starts, t.lengths, *step_arrays, t.key_len, True)
-        ngram_len = config.ngram_len
-        stops = num_tokens - ngram_len
-        if not config.seed_from_output:
-            stops = np.minimum(stops, prompt_lens - ngram_len)
-        new_keys = int(np.maximum(stops - next_anchors, 0).sum()) * (config.max_key_len - config.min_key_len + 1)
-        self.arena.reserve(new_keys * (1 if self.shared is None else 2), ngram_len)
-        tokens = np.zeros((count, width), dtype=np.int32)
-        origins = np.zeros((count, width), dtype=np.int32)
-        lengths = np.zeros(count, dtype=np.int64)
-        key_lens = np.zeros(count, dtype=np.int64)
-        context = np.zeros(max(MATCH_DEPTH, config.max_key_len) + 2 * width + self.arena.candidate_len,
-                           dtype=np.int32)
-        step_kernel.file_and_draft(
-            self.arena.state, self._frozen_state, -1 if self.frozen is None else self.frozen.owner, self._prior,
-            self._prior_lens, texts, history, rows, num_tokens, prompt_lens, next_anchors, owners, rooms,
-            ngram_len, config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
+        frozen_owner = -1 if self.frozen is None else self.frozen.owner
+        for _ in range(4):  # each shortage is made good once
+            texts = self._no_texts
+            if self.texts is not None:
+                t = self.texts
+                texts = (t.positions.state, t.store, t.starts, t.lengths, t.capacities, t.answers_of, t.key_len, True)
+            tokens, origins, lengths, key_lens, context = self._outputs
+            status = step_kernel.file_and_draft(
+                self.arena.state, self._frozen_state, frozen_owner, self._prior, self._prior_lens, texts, history,
+                rows, num_tokens, prompt_lens, next_anchors, owners, rooms, config.ngram_len,
+                config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
+            if status == step_kernel.ROOM_OK:
+                break
+            self._make_room(status, owners, num_tokens, prompt_lens, next_anchors, rooms)
+        else:
+            raise RuntimeError(f"DraftIndex.draft_batch: the step's kernel still lacks room ({status}) after growing")
         if self.shared is not None:
             self.shared.trim()
-        return BatchDrafts(tokens, origins, lengths, key_lens)
+        count = len(rows)
+        return BatchDrafts(tokens[:count], origins[:count], lengths[:count], key_lens[:count])
+
+    def _make_room(self, status: int, owners: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray,
+                   next_anchors: np.ndarray, rooms: np.ndarray) -> None:
+        """Grow what the step's kernel found short (``status``, :data:`step_kernel.ROOM_OK` and after)."""
+        config = self.config
+        if status == step_kernel.ROOM_OUTPUTS:
+            self._outputs = self._new_outputs(max(len(num_tokens), 2 * len(self._outputs[2])),
+                                              max(int(rooms.max(initial=0)), self._outputs[0].shape[1]))
+        elif status == step_kernel.ROOM_POOLS:
+            stops = num_tokens - config.ngram_len
+            if not config.seed_from_output:
+                stops = np.minimum(stops, prompt_lens - config.ngram_len)
+            anchors = np.maximum(stops - next_anchors, 0) * np.where(owners[:, 1] >= 0, 2, 1)
+            self.arena.reserve(int(anchors.sum()) * (config.max_key_len - config.min_key_len + 1), config.ngram_len)
+        elif status == step_kernel.ROOM_TEXTS:
+            self.texts.make_room(owners[:, 2].copy(), num_tokens)
+        else:
+            raise ValueError(f"unknown room status {status}")
+
+    def _new_outputs(self, count: int, width: int) -> tuple[np.ndarray, ...]:
+        """The kernel's outputs for ``count`` requests of drafts up to ``width`` tokens, and its context."""
+        return (np.zeros((count, width), dtype=np.int32), np.zeros((count, width), dtype=np.int32),
+                np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64),
+                np.zeros(MATCH_DEPTH + 2 * self.config.max_key_len + 2 * width, dtype=np.int32))
 
     def forget_shared(self) -> None:
         """Empty every tenant's shared pool and the answers kept for deep matches."""
@@ -145,15 +174,6 @@ class DraftIndex:
             self.shared.clear()
         if self.texts is not None:
             self.texts.clear()
-
-
-def pool_owners(pools: list[tuple[NgramPool, ...]]) -> np.ndarray:
-    """(requests, 2) arena owner ids of each request's own pool and its tenant's shared
-    pool (-1: none), as :meth:`DraftIndex.draft_batch` takes them."""
-    owners = np.full((len(pools), 2), -1, dtype=np.int64)
-    for i, request in enumerate(pools):
-        owners[i, : len(request)] = [pool.owner for pool in request]
-    return owners
 
 
 def load_kernels(config: FafoConfig) -> None:
@@ -164,8 +184,8 @@ def load_kernels(config: FafoConfig) -> None:
     index = DraftIndex(config)
     history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
     pools = index.new_pools("warm-up", None, history[0, :32])
-    index.draft_batch(["warm-up"], pool_owners([pools]), history, np.zeros(1, dtype=np.int64), np.array([40]), np.array([32]),
-                      np.zeros(1, dtype=np.int64), np.array([4]))
+    index.draft_batch(index.owners("warm-up", pools)[None], history, np.zeros(1, dtype=np.int64), np.array([40]),
+                      np.array([32]), np.zeros(1, dtype=np.int64), np.array([4]))
     add_each_to_pools([pools], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(pools, [1, 2]))
     index.stop("warm-up")

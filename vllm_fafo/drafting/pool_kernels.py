@@ -106,6 +106,15 @@ def _append_key(st, s, owner):
 
 
 @njit(cache=True)
+def has_room(st, keys, candidate_len):
+    """Whether the arena holds ``keys`` more keys and candidates of up to ``candidate_len``
+    tokens without growing (:meth:`~vllm_fafo.drafting.pool.PoolArena.reserve`'s test)."""
+    counters = st[ST_COUNTERS]
+    return (counters[CNT_SLOT_FREE] >= keys and counters[CNT_ENTRY_FREE] >= keys
+            and st[ST_E_TOK].shape[1] >= candidate_len and 2 * (counters[CNT_TABLE_USED] + keys) <= len(st[ST_TABLE]))
+
+
+@njit(cache=True)
 def file_each(st, owners, contexts, context_lens, candidates, candidate_lens, origin):
     """:func:`file_candidate` of ``candidates[i, :candidate_lens[i]]`` under the suffixes
     of ``contexts[i, :context_lens[i]]`` into ``owners[i, 0]``, then ``owners[i, 1]``

@@ -17,12 +17,14 @@ from numba import njit
 
 from vllm_fafo.drafting.pool_kernels import (
     CFG_MAX_KEY,
+    CFG_MIN_KEY,
     CFG_VOTES,
     ST_CFG,
     ST_E_LEN,
     ST_E_ORIGIN,
     ST_E_TOK,
     file_candidate,
+    has_room,
     match_pair,
 )
 from vllm_fafo.drafting.text_kernels import deep_match, feed_text
@@ -40,6 +42,43 @@ def _prior_piece(prior, prior_lens, token):
     return prior_lens[token]
 
 
+ROOM_OK, ROOM_POOLS, ROOM_TEXTS, ROOM_OUTPUTS = range(4)
+""":func:`file_and_draft`'s answers: done, or nothing done because the pools' arena, the
+texts or the outputs lack room (the caller grows them and calls again)."""
+
+
+@njit(cache=True)
+def _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_anchors, rooms, ngram_len,
+          seed_from_output, drafts, context, max_key):
+    """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
+    the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
+    growth and their places, the outputs' rows and width."""
+    count = len(num_tokens)
+    if count > drafts.shape[0]:
+        return ROOM_OUTPUTS
+    keys, places = 0, 0
+    for i in range(count):
+        if rooms[i] > drafts.shape[1]:
+            return ROOM_OUTPUTS
+        stop = num_tokens[i] - ngram_len
+        if not seed_from_output:
+            stop = min(stop, prompt_lens[i] - ngram_len)
+        if stop > next_anchors[i]:
+            keys += (stop - next_anchors[i]) * (2 if owners[i, 1] >= 0 else 1)
+        if deep_on:
+            text = owners[i, 2]
+            if num_tokens[i] > t_cap[text]:
+                return ROOM_TEXTS
+            places += max(num_tokens[i] - t_len[text], 0)
+    if 2 * max_key + 2 * drafts.shape[1] + MATCH_DEPTH > len(context):
+        return ROOM_OUTPUTS
+    if not has_room(st, keys * (max_key - st[ST_CFG][CFG_MIN_KEY] + 1), ngram_len):
+        return ROOM_POOLS
+    if deep_on and not has_room(pos, 2 * places + 2, 2):
+        return ROOM_TEXTS
+    return ROOM_OK
+
+
 @njit(cache=True)
 def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, prompt_lens,
                    next_anchors, owners, rooms, ngram_len, seed_from_output, drafts, origins, draft_lens,
@@ -47,23 +86,30 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     """One step's filing and drafting for every decoding request, in row order (the
     Python proposer's loop): file the n-grams ``history[row]`` completed since
     ``next_anchors[i]`` into the request's pool ``owners[i, 0]`` and its tenant's shared
-    pool ``owners[i, 1]`` (-1: none), then draft up to ``rooms[i]`` tokens: ``prefix[i, :prefix_lens[i]]``
-    (a deep match) first, then chained candidates of the pools, where they miss
-    Cacheback's frozen table (``frozen_owner`` >= 0), then the prior table
-    (``prior_lens`` non-empty), whose next token votes where the pools rank by votes.
-    ``texts``: the deep matches' (places arena, store, text starts, text lengths, each
-    row's text id, own owner and answers owner, key length, on), each row's text fed up
-    to ``num_tokens`` (room ensured). Writes ``drafts``, ``origins``, ``draft_lens``,
-    ``key_lens`` (the deep match's depth, else the first piece's key, 0 for the prior
-    table's) and advances ``next_anchors``. ``context``: int32 room for
-    ``max(MATCH_DEPTH, max_key_len)`` + twice the longest room."""
+    pool ``owners[i, 1]`` (-1: none), then draft up to ``rooms[i]`` tokens: a deep match
+    first, then chained candidates of the pools, where they miss Cacheback's frozen table
+    (``frozen_owner`` >= 0), then the prior table (``prior_lens`` non-empty), whose next
+    token votes where the pools rank by votes. ``texts``: the deep matches' (places
+    arena, store, text starts, lengths, capacities, answers owner by text, key length,
+    on); row i's text is ``owners[i, 2]``, the places in it owner ``owners[i, 3]``, fed
+    up to ``num_tokens``. Writes rows ``:len(rows)`` of ``drafts``, ``origins``,
+    ``draft_lens``, ``key_lens`` (the deep match's depth, else the first piece's key, 0
+    for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
+    ``MATCH_DEPTH`` + twice the keys and the outputs' width. Returns :data:`ROOM_OK`,
+    or, having changed nothing, what lacks room (:func:`_room`)."""
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
-    pos, store, t_start, t_len, text_ids, text_owns, text_answers, deep_key, deep_on = texts
+    pos, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
+    room_status = _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_anchors, rooms,
+                        ngram_len, seed_from_output, drafts, context, max_key)
+    if room_status != ROOM_OK:
+        return room_status
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
     for i in range(len(rows)):
         own, shared = owners[i, 0], owners[i, 1]
+        drafts[i, :] = 0
+        origins[i, :] = 0
         hist = history[rows[i]]
         n_tok = num_tokens[i]
         # file the completed n-grams (anchors whose n-gram is whole)
@@ -85,12 +131,12 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         first = True
         # the deep match: feed the text, match its end
         if deep_on:
-            text = text_ids[i]
+            text, text_own = owners[i, 2], owners[i, 3]
             fed = t_len[text]
             for j in range(fed, n_tok):
                 store[t_start[text] + j] = hist[j]
             if n_tok > fed:
-                feed_text(pos, store, t_start[text], fed, n_tok, deep_key, text_owns[i], text_answers[i], text,
+                feed_text(pos, store, t_start[text], fed, n_tok, deep_key, text_own, t_answers[text], text,
                           place)
                 t_len[text] = n_tok
             if room > 0:
@@ -98,7 +144,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                 for j in range(n_tok - k0):
                     context[j] = hist[k0 + j]
                 found, end, depth = deep_match(pos, store, t_start, t_len, context, n_tok - k0, deep_key,
-                                               text_owns[i], text_answers[i], text, order)
+                                               text_own, t_answers[text], text, order)
                 if depth > 0:
                     first_key, first = depth, False
                     src = t_start[found] + end + 1
@@ -160,3 +206,4 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                 n_ctx = max_key
         draft_lens[i] = length
         key_lens[i] = first_key
+    return ROOM_OK

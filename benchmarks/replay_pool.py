@@ -88,6 +88,7 @@ class _Running:
         self.done = 1  # output tokens decoded: the prefill's forward gave the first
         self.pools: tuple = ()
         self.next_anchor = 0
+        self.slot = int(req_id)  # the draft judge's key: each request's own (ids are their order)
 
     @property
     def num_tokens(self) -> int:
@@ -168,7 +169,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             continue
         if event == "finish":
             index.stop(payload.req_id)
-            judge.forget([payload.req_id])
+            judge.forget([payload.slot])
             tokens += len(payload.output)
             continue
         running = payload
@@ -194,7 +195,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             padded = np.zeros((len(drafts), k), dtype=np.int32)
             for row, draft in enumerate(drafts):
                 padded[row, : len(draft)] = draft
-            judge.add([request.req_id for request in running], np.array([request.num_tokens for request in running]),
+            judge.add(np.array([request.slot for request in running]), np.array([request.num_tokens for request in running]),
                       padded, draft_lens, found.key_lens)
             draft_lens = controller.choose_draft_lens(len(running), np.array(key_lens), draft_lens)
             drafts = [draft[:length] for draft, length in zip(drafts, draft_lens.tolist())]
@@ -211,7 +212,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         if cost_ms is not None:
             step_s = scatter(step_seconds(cost_ms, int(draft_lens.sum()), len(running)))
             seconds += step_s
-            judged = judge.judge([request.req_id for request in running], np.arange(len(running)),
+            judged = judge.judge(np.array([request.slot for request in running]), np.arange(len(running)),
                                  np.array([request.num_tokens for request in running]), _stacked(running))
             controller.observe(StepOutcome(
                 tokens=len(running) + int(draft_lens.sum()), seconds=step_s, lane_tokens=0, lane_accepted=0,

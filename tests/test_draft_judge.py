@@ -10,16 +10,18 @@ from vllm_fafo.control.draft_judge import DraftJudge
 MAX_DRAFT = 6
 
 
-def add(judge: DraftJudge, req_ids: list[str], starts: list[int], drafts: list[list[int]], key_lens: list[int]) -> None:
+def add(judge: DraftJudge, slots: list[int], starts: list[int], drafts: list[list[int]], key_lens: list[int]) -> None:
     """``judge.add`` with the drafts as lists (the proposer hands its found drafts' rows)."""
     tokens = np.zeros((len(drafts), max(map(len, drafts), default=0)), dtype=np.int32)
     for row, draft in enumerate(drafts):
         tokens[row, : len(draft)] = draft
-    judge.add(req_ids, np.array(starts), tokens, np.array(list(map(len, drafts))), np.array(key_lens))
+    judge.add(np.array(slots, dtype=np.int64), np.array(starts), tokens, np.array(list(map(len, drafts))), np.array(key_lens))
 
 
-def judge_batch(judge: DraftJudge, rows: dict[str, int], num_tokens: np.ndarray, token_ids: np.ndarray):
-    return judge.judge(list(rows), np.array(list(rows.values()), dtype=np.int64), num_tokens, token_ids)
+def judge_batch(judge: DraftJudge, rows: dict[int, int], num_tokens: np.ndarray, token_ids: np.ndarray):
+    """``judge.judge`` of the requests (slots) at their rows ``rows``."""
+    return judge.judge(np.array(list(rows), dtype=np.int64), np.array(list(rows.values()), dtype=np.int64),
+                       num_tokens, token_ids)
 
 
 def common_prefix(draft: list[int], text: np.ndarray, start: int) -> int:
@@ -39,7 +41,7 @@ def test_each_draft_is_judged_once_as_soon_as_its_text_decides_it_with_its_commo
     texts = [rng.integers(0, 3, size=400) for _ in range(3)]  # 3 token values: partial matches are common
     done = [20, 35, 50]
     judge = DraftJudge(MAX_DRAFT)
-    expected: dict[int, tuple[str, int, list[int], int]] = {}  # id -> (request, start, draft, key length)
+    expected: dict[int, tuple[int, int, list[int], int]] = {}  # id -> (request, start, draft, key length)
     judged_ids: list[int] = []
     next_id = 0
     width = max(map(len, texts)) + 8
@@ -54,7 +56,7 @@ def test_each_draft_is_judged_once_as_soon_as_its_text_decides_it_with_its_commo
             token_ids[row, : done[i]] = texts[i][: done[i]]
             token_ids[row, done[i] :] = rng.integers(0, 3, size=width - done[i])  # stale tokens past the text
             num_tokens[row] = done[i]
-        lengths, matched, key_lens = judge_batch(judge, {str(i): row for row, i in enumerate(order)}, num_tokens,
+        lengths, matched, key_lens = judge_batch(judge, {i: row for row, i in enumerate(order)}, num_tokens,
                                                  token_ids)
         # the reference: drafts of scheduled requests whose text now covers or contradicts them
         due = [j for j, (req, start, draft, _) in expected.items() if j not in judged_ids and int(req) in scheduled
@@ -70,10 +72,10 @@ def test_each_draft_is_judged_once_as_soon_as_its_text_decides_it_with_its_commo
             copied = texts[i][done[i] : done[i] + length].tolist()
             drafts.append(copied if rng.random() < 0.5 else rng.integers(0, 3, size=length).tolist())
             key_lens_found.append(int(rng.integers(1, 9)))
-        add(judge, [str(i) for i in order], [done[i] for i in order], drafts, key_lens_found)
+        add(judge, order, [done[i] for i in order], drafts, key_lens_found)
         for i, draft, key_len in zip(order, drafts, key_lens_found):
             if draft:
-                expected[next_id] = (str(i), done[i], draft, key_len)
+                expected[next_id] = (i, done[i], draft, key_len)
                 next_id += 1
     assert len(judged_ids) > 100 and len(judge) == len(expected) - len(judged_ids)
     judged_whole = sum(common_prefix(expected[j][2], texts[int(expected[j][0])], expected[j][1]) == len(expected[j][2])
@@ -83,16 +85,16 @@ def test_each_draft_is_judged_once_as_soon_as_its_text_decides_it_with_its_commo
 
 def test_finished_requests_drafts_are_forgotten_and_absent_requests_wait():
     judge = DraftJudge(MAX_DRAFT)
-    add(judge, ["a", "b", "c"], [3, 3, 3], [[1, 2], [1, 2], []], [2, 3, 4])
+    add(judge, [0, 1, 2], [3, 3, 3], [[1, 2], [1, 2], []], [2, 3, 4])
     assert len(judge) == 2  # the empty draft teaches nothing
-    judge.forget(["a"])
+    judge.forget([0])
     token_ids = np.array([[0, 0, 0, 1, 2, 0]], dtype=np.int32)
-    assert [x.tolist() for x in judge_batch(judge, {"a": 0}, np.array([6]), token_ids)] == [[], [], []]
-    assert len(judge) == 1  # "b" was not in the batch: it waits
-    assert [x.tolist() for x in judge_batch(judge, {"b": 0}, np.array([6]), token_ids)] == [[2], [2], [3]]
+    assert [x.tolist() for x in judge_batch(judge, {0: 0}, np.array([6]), token_ids)] == [[], [], []]
+    assert len(judge) == 1  # slot 1 was not in the batch: it waits
+    assert [x.tolist() for x in judge_batch(judge, {1: 0}, np.array([6]), token_ids)] == [[2], [2], [3]]
     assert len(judge) == 0
 
 
 def test_a_draft_longer_than_the_judge_holds_is_refused():
     with pytest.raises(ValueError, match="at most 6"):
-        add(DraftJudge(MAX_DRAFT), ["a"], [0], [[1] * 7], [1])
+        add(DraftJudge(MAX_DRAFT), [0], [0], [[1] * 7], [1])

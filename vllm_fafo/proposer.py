@@ -421,13 +421,16 @@ class FafoProposer:
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
         req_ids = list(req_ids)
+        freed = []
         for req_id in req_ids:
             self._tenants.pop(req_id, None)
-            if self._requests.pop(req_id, None) is not None:
+            state = self._requests.pop(req_id, None)
+            if state is not None:
                 self._table.remove(req_id)
+                freed.append(state.slot)
                 self.metrics.requests_freed += 1
             self.index.stop(req_id)
-        self.judge.forget(req_ids)
+        self.judge.forget(freed)  # before the slots are given to new requests
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 
@@ -514,8 +517,8 @@ class FafoProposer:
                                        table.prompt_len[slots], next_anchors, rooms)
         table.next_anchor[slots] = next_anchors
         self._learn(step, count, int(accepted.sum()), lane_accepted,
-                    self.judge.judge(decoding_ids, decoding, num_tokens_no_spec, token_ids_cpu))
-        self.judge.add(decoding_ids, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
+                    self.judge.judge(slots, decoding, num_tokens_no_spec, token_ids_cpu))
+        self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
         if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
             tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,
                                                self.draft_tiers)

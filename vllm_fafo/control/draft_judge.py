@@ -24,7 +24,7 @@ cache-cold Python call (docs/results/host-time.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 from numba import njit
@@ -37,68 +37,58 @@ draft's first token predicts, its length, its key's length, then its tokens."""
 
 
 class DraftJudge:
-    """The drafts found but not judged yet, of all requests, as rows of one table."""
+    """The drafts found but not judged yet, of all requests, as rows of one table. A
+    request is known by its slot (the proposer's :class:`~vllm_fafo.request_table.RequestTable`),
+    which :meth:`forget` must clear before the slot is given to another request."""
 
     def __init__(self, max_draft: int, capacity: int = 256) -> None:
         self.max_draft = max_draft
         self._table = np.zeros((capacity, _TOKENS + max_draft), dtype=np.int64)
         self._count = 0
-        self._slots: dict[str, int] = {}
-        """Each request's number in the table's owner column, while it has drafts queued
-        or decodes (freed by :meth:`forget`)."""
-        self._free_slots: list[int] = []
         self._row_of_slot = np.zeros(64, dtype=np.int64)
         """Scratch of :func:`judge_drafts`: each slot's batch row this step."""
 
     def __len__(self) -> int:
         return self._count
 
-    def add(self, req_ids: Sequence[str], starts: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
+    def add(self, slots: np.ndarray, starts: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
             key_lens: np.ndarray) -> None:
-        """Queue the drafts found this step, whole (before any cut): request ``req_ids[i]``'s
+        """Queue the drafts found this step, whole (before any cut): request ``slots[i]``'s
         draft ``tokens[i, :lengths[i]]`` predicts its text from position ``starts[i]`` on and
         was found under a key of ``key_lens[i]`` tokens. Empty drafts teach nothing and are
         not queued."""
         lengths = as_int64(lengths)
-        if len(lengths) and int(lengths.max()) > self.max_draft:
+        if tokens.shape[1] > self.max_draft and int(lengths.max(initial=0)) > self.max_draft:
             raise ValueError(f"a draft of {int(lengths.max())} tokens; the judge holds at most {self.max_draft}")
         if self._count + len(lengths) > len(self._table):
             self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(lengths)])])
-        slots = np.fromiter(map(self._slot, req_ids), dtype=np.int64, count=len(req_ids))
-        self._count = queue_drafts(self._table, self._count, slots, as_int64(starts), np.ascontiguousarray(tokens),
-                                   lengths, as_int64(key_lens))
+        self._count = queue_drafts(self._table, self._count, as_int64(slots), as_int64(starts),
+                                   np.ascontiguousarray(tokens), lengths, as_int64(key_lens))
 
-    def judge(self, req_ids: Sequence[str], rows: np.ndarray, num_tokens: np.ndarray,
+    def judge(self, slots: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
               token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Judge the queued drafts of the requests ``req_ids`` (each at batch row ``rows[i]``
+        """Judge the queued drafts of the requests ``slots`` (each at batch row ``rows[i]``
         of ``token_ids``, whose first ``num_tokens[row]`` tokens are the request's text so
         far) that their text now decides: it covers the whole draft, or differs from it
         within what it covers. Returns those drafts' (lengths, tokens matched, key
         lengths) and drops them; the others wait for more text."""
-        slots = np.fromiter((self._slots.get(req_id, -1) for req_id in req_ids), dtype=np.int64, count=len(req_ids))
-        needed = len(self._slots) + len(self._free_slots)
-        if needed > len(self._row_of_slot):
-            self._row_of_slot = np.zeros(2 * needed, dtype=np.int64)
+        slots = as_int64(slots)
+        top = int(slots.max(initial=-1)) + 1
+        if top > len(self._row_of_slot):
+            self._row_of_slot = np.zeros(2 * top, dtype=np.int64)
         judged = np.zeros((3, self._count), dtype=np.int64)
         self._count, count = judge_drafts(self._table, self._count, slots, as_int64(rows), self._row_of_slot,
                                           as_int64(num_tokens), token_ids, judged)
         return judged[0, :count], judged[1, :count], judged[2, :count]
 
-    def forget(self, req_ids: Iterable[str]) -> None:
+    def forget(self, slots: Iterable[int]) -> None:
         """Drop the queued drafts of finished or aborted requests (their text will not go on)."""
-        slots = [self._slots.pop(req_id) for req_id in req_ids if req_id in self._slots]
-        if slots:
-            self._free_slots += slots
+        slots = list(slots)
+        if slots and self._count:
             keep = ~np.isin(self._table[: self._count, _OWNER], slots)
             kept = self._table[: self._count][keep]
             self._table[: len(kept)] = kept
             self._count = len(kept)
-
-    def _slot(self, req_id: str) -> int:
-        slot = self._slots.get(req_id)
-        if slot is None:
-            slot = self._slots[req_id] = self._free_slots.pop() if self._free_slots else len(self._slots)
-        return slot
 
 
 @njit(cache=True)
@@ -127,7 +117,7 @@ def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndar
     rows ``rows``): a draft is decided when the text covers it or differs from it within
     what it covers; its (length, tokens matched, key length) go to the next column of
     ``judged`` and its row is dropped, the others kept in order. Returns (rows kept,
-    drafts judged). ``row_of_slot``: scratch, one entry per slot."""
+    drafts judged). ``row_of_slot``: scratch, an entry for every slot of ``slots``."""
     row_of_slot[:] = -1
     for i in range(len(slots)):
         if slots[i] >= 0:
@@ -135,7 +125,8 @@ def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndar
     last = token_ids.shape[1] - 1
     kept = done = 0
     for i in range(count):
-        row = row_of_slot[table[i, _OWNER]]
+        owner = table[i, _OWNER]
+        row = row_of_slot[owner] if owner < len(row_of_slot) else -1  # a slot beyond it is not in the batch
         decided = False
         if row >= 0:
             start, length = table[i, _START], table[i, _LENGTH]
@@ -158,6 +149,7 @@ def load_kernels() -> None:
     """Run the kernels once on small arrays of the step's types (vLLM's token rows are
     int32), so that numba loads them while the engine starts."""
     judge = DraftJudge(2, capacity=1)
-    judge.add(["r"], np.zeros(1, dtype=np.int64), np.ones((1, 2), dtype=np.int32), np.ones(1, dtype=np.int64),
+    slots = np.zeros(1, dtype=np.int64)
+    judge.add(slots, np.zeros(1, dtype=np.int64), np.ones((1, 2), dtype=np.int32), np.ones(1, dtype=np.int64),
               np.ones(1, dtype=np.int64))
-    judge.judge(["r"], np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64), np.ones((1, 2), dtype=np.int32))
+    judge.judge(slots, np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64), np.ones((1, 2), dtype=np.int32))

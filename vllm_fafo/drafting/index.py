@@ -73,7 +73,7 @@ class DraftIndex:
             self.arena, max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants)
         self.texts = tenant_texts(config)
         self.frozen = frozen
-        self._frozen_state = (frozen.arena if frozen is not None else PoolArena(1, 1)).state
+        self._frozen_state = None if frozen is None else frozen.arena.state
         rows = np.zeros((0, 1), dtype=np.int32) if prior is None else prior.rows
         self._prior = np.ascontiguousarray(rows, dtype=np.int32)
         self._prior_lens = np.zeros(0, dtype=np.int32) if prior is None else prior.lengths.astype(np.int32)

@@ -88,7 +88,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     ``next_anchors[i]`` into the request's pool ``owners[i, 0]`` and its tenant's shared
     pool ``owners[i, 1]`` (-1: none), then draft up to ``rooms[i]`` tokens: a deep match
     first, then chained candidates of the pools, where they miss Cacheback's frozen table
-    (``frozen_owner`` >= 0), then the prior table (``prior_lens`` non-empty), whose next
+    (``frozen``, its owner ``frozen_owner``; None: none), then the prior table (``prior_lens`` non-empty), whose next
     token votes where the pools rank by votes. ``texts``: the deep matches' (places
     arena, store, text starts, lengths, capacities, answers owner by text, key length,
     on); row i's text is ``owners[i, 2]``, the places in it owner ``owners[i, 3]``, fed
@@ -165,26 +165,27 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             guess_len = 0
             guess_entry = -1
             frozen_key = 0
-            if frozen_owner >= 0:
+            guess = -1
+            if frozen is not None:  # compiled out without a frozen table (numba prunes it)
                 which, entry, frozen_key = match_pair(frozen, frozen_owner, frozen, -1, context, c0, n_ctx, -1,
                                                       scratch)
                 if which >= 0:
                     guess_entry = entry
+                    guess = frozen[ST_E_TOK][guess_entry, 0]
             if guess_entry < 0:
                 guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
-            guess = -1
-            if guess_entry >= 0:
-                guess = frozen[ST_E_TOK][guess_entry, 0]
-            elif guess_len > 0:
-                guess = prior[context[n_ctx - 1], 0]
+                if guess_len > 0:
+                    guess = prior[context[n_ctx - 1], 0]
             which, entry, key_len = match_pair(st, own, st, shared, context, c0, n_ctx,
                                                guess if votes else -1, scratch)
+            piece, piece_len, origin = st[ST_E_TOK][0], 0, 0
             if which >= 0:
                 piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]
                 origin = ORIGIN_SHARED if which == 1 else st[ST_E_ORIGIN][entry]
             elif guess_entry >= 0:
-                piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
-                origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
+                if frozen is not None:
+                    piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
+                    origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
             elif guess_len > 0:
                 piece, piece_len = prior[context[n_ctx - 1]], guess_len
                 origin, key_len = ORIGIN_PRIOR, 0

@@ -97,9 +97,14 @@ class PoolArena:
         self._cfg = np.array([min_key_len, max_key_len, capacity, touch_on_lookup, rank == "votes"], dtype=np.int64)
         self._counters = np.zeros(kernels.NUM_COUNTERS, dtype=np.int64)
         self._table = np.zeros(1024, dtype=np.int32)
-        self._slots: dict[str, np.ndarray] = {}
-        self._entries: dict[str, np.ndarray] = {}
-        self._owners: dict[str, np.ndarray] = {}
+        self._slots = np.zeros((0, kernels.S_KEY + max_key_len), dtype=np.int32)
+        """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
+        self._entries = np.zeros((0, kernels.E_TOK + candidate_len), dtype=np.int32)
+        """A row per candidate: its fields and tokens (``E_*`` columns), the free entries' stack in ``E_FREE``."""
+        self._stamps = np.zeros(0, dtype=np.int64)
+        """Each candidate's recency stamp."""
+        self._owners = np.zeros((0, 4), dtype=np.int64)
+        """A row per pool (``O_*`` columns)."""
         self._grow_slots(256)
         self._grow_entries(256, candidate_len)
         self._grow_owners(8)
@@ -110,85 +115,61 @@ class PoolArena:
 
     # arrays ---------------------------------------------------------------------------
     @staticmethod
-    def _grown(old: np.ndarray | None, shape: tuple[int, ...], dtype, fill: int) -> np.ndarray:
-        new = np.full(shape, fill, dtype=dtype)
-        if old is not None:
-            new[tuple(slice(0, n) for n in old.shape)] = old
+    def _grown(old: np.ndarray, rows: int, columns: int, fill: dict[int, int]) -> np.ndarray:
+        """``old`` in a larger array of ``rows`` x ``columns``, the new rows' columns set as ``fill`` says (else 0)."""
+        new = np.zeros((rows, columns), dtype=old.dtype)
+        new[: len(old), : old.shape[1]] = old
+        for column, value in fill.items():
+            new[len(old) :, column] = value
         return new
 
     def _grow_slots(self, size: int) -> None:
         old = self._slots
-        old_size = len(old["owner"]) if old else 0
-        k = self.max_key_len
-        self._slots = {
-            "owner": self._grown(old.get("owner"), (size,), np.int32, -1),
-            "klen": self._grown(old.get("klen"), (size,), np.int32, 0),
-            "key": self._grown(old.get("key"), (size, k), np.int32, 0),
-            "head": self._grown(old.get("head"), (size,), np.int32, -1),
-            "count": self._grown(old.get("count"), (size,), np.int32, 0),
-            "prev": self._grown(old.get("prev"), (size,), np.int32, -1),
-            "next": self._grown(old.get("next"), (size,), np.int32, -1),
-            "tpos": self._grown(old.get("tpos"), (size,), np.int64, 0),
-        }
-        free = self._grown(old.get("free"), (size,), np.int32, 0)
+        self._slots = self._grown(old, size, old.shape[1], {kernels.S_OWNER: -1, kernels.S_HEAD: -1,
+                                                            kernels.S_PREV: -1, kernels.S_NEXT: -1})
         top = int(self._counters[kernels.CNT_SLOT_FREE])
-        added = np.arange(size - 1, old_size - 1, -1, dtype=np.int32)  # lowest index taken first
-        free[top : top + len(added)] = added
-        self._slots["free"] = free
+        added = np.arange(size - 1, len(old) - 1, -1, dtype=np.int32)  # lowest index taken first
+        self._slots[top : top + len(added), kernels.S_FREE] = added
         self._counters[kernels.CNT_SLOT_FREE] = top + len(added)
         self._state = None
 
     def _grow_entries(self, size: int, candidate_len: int) -> None:
         old = self._entries
-        old_size = len(old["len"]) if old else 0
-        self._entries = {
-            "tok": self._grown(old.get("tok"), (size, candidate_len), np.int32, 0),
-            "len": self._grown(old.get("len"), (size,), np.int32, 0),
-            "origin": self._grown(old.get("origin"), (size,), np.int32, 0),
-            "stamp": self._grown(old.get("stamp"), (size,), np.int64, 0),
-            "next": self._grown(old.get("next"), (size,), np.int32, -1),
-        }
-        free = self._grown(old.get("free"), (size,), np.int32, 0)
+        self._entries = self._grown(old, size, kernels.E_TOK + candidate_len, {kernels.E_NEXT: -1})
+        stamps = np.zeros(size, dtype=np.int64)
+        stamps[: len(self._stamps)] = self._stamps
+        self._stamps = stamps
         top = int(self._counters[kernels.CNT_ENTRY_FREE])
-        added = np.arange(size - 1, old_size - 1, -1, dtype=np.int32)
-        free[top : top + len(added)] = added
-        self._entries["free"] = free
+        added = np.arange(size - 1, len(old) - 1, -1, dtype=np.int32)
+        self._entries[top : top + len(added), kernels.E_FREE] = added
         self._counters[kernels.CNT_ENTRY_FREE] = top + len(added)
         self._state = None
 
     def _grow_owners(self, size: int) -> None:
-        old = self._owners
-        self._owners = {
-            "head": self._grown(old.get("head"), (size,), np.int32, -1),
-            "tail": self._grown(old.get("tail"), (size,), np.int32, -1),
-            "keys": self._grown(old.get("keys"), (size,), np.int64, 0),
-            "max_keys": self._grown(old.get("max_keys"), (size,), np.int64, 0),
-        }
+        self._owners = self._grown(self._owners, size, 4, {kernels.O_HEAD: -1, kernels.O_TAIL: -1})
         self._state = None
 
     @property
     def candidate_len(self) -> int:
         """The longest candidate the arena holds without growing."""
-        return self._entries["tok"].shape[1]
+        return self._entries.shape[1] - kernels.E_TOK
 
     @property
     def state(self) -> tuple:
         """The arrays, in the order the kernels read them (``ST_*``)."""
         if self._state is None:
-            s, e, o = self._slots, self._entries, self._owners
-            self._state = (self._cfg, self._counters, self._table, s["owner"], s["klen"], s["key"], s["head"],
-                           s["count"], s["prev"], s["next"], s["tpos"], e["tok"], e["len"], e["origin"], e["stamp"],
-                           e["next"], o["head"], o["tail"], o["keys"], o["max_keys"], s["free"], e["free"])
+            self._state = (self._cfg, self._counters, self._table, self._slots, self._entries, self._stamps,
+                           self._owners)
         return self._state
 
     def reserve(self, keys: int, candidate_len: int = 0) -> None:
         """Room for ``keys`` more keys and candidates, candidates up to ``candidate_len`` long."""
         counters = self._counters
         if counters[kernels.CNT_SLOT_FREE] < keys:
-            self._grow_slots(max(2 * len(self._slots["owner"]), len(self._slots["owner"]) + keys))
+            self._grow_slots(max(2 * len(self._slots), len(self._slots) + keys))
         short = counters[kernels.CNT_ENTRY_FREE] < keys
         if short or candidate_len > self.candidate_len:
-            size = len(self._entries["len"])
+            size = len(self._entries)
             self._grow_entries(max(2 * size, size + keys) if short else size, max(candidate_len, self.candidate_len))
         if 2 * (counters[kernels.CNT_TABLE_USED] + keys) > len(self._table):
             live = int(counters[kernels.CNT_LIVE_SLOTS])
@@ -203,21 +184,21 @@ class PoolArena:
     def new_owner(self, max_keys: int = 0) -> int:
         """A new empty pool's id, holding at most ``max_keys`` keys (0: unbounded)."""
         if not self._free_owners:
-            size = len(self._owners["head"])
+            size = len(self._owners)
             self._grow_owners(2 * size)
             self._free_owners = list(range(2 * size - 1, size - 1, -1))
         owner = self._free_owners.pop()
-        self._owners["max_keys"][owner] = max_keys
+        self._owners[owner, kernels.O_MAX_KEYS] = max_keys
         return owner
 
     def release(self, owner: int) -> None:
         """Drop a pool's keys and free its id (its handle is gone)."""
         kernels.clear_owner(self.state, owner)
-        self._owners["max_keys"][owner] = 0
+        self._owners[owner, kernels.O_MAX_KEYS] = 0
         self._free_owners.append(owner)
 
     def num_keys(self, owner: int) -> int:
-        return int(self._owners["keys"][owner])
+        return int(self._owners[owner, kernels.O_KEYS])
 
     @property
     def num_live_keys(self) -> int:
@@ -226,20 +207,20 @@ class PoolArena:
 
     def nbytes(self) -> int:
         """Bytes of all the arena's arrays (allocated, used or not)."""
-        return int(self._table.nbytes + sum(a.nbytes for group in (self._slots, self._entries, self._owners)
-                                            for a in group.values()) + self.scratch.nbytes)
+        return int(sum(a.nbytes for a in self.state) + self.scratch.nbytes)
 
     def bytes_per_key(self) -> int:
         """Bytes one key slot and its candidates take (at full capacity)."""
-        slot = sum(a.itemsize * (a.size // len(a)) for a in self._slots.values()) + 2 * self._table.itemsize
-        entry = sum(a.itemsize * (a.size // len(a)) for a in self._entries.values())
+        slot = self._slots.itemsize * self._slots.shape[1] + 2 * self._table.itemsize
+        entry = self._entries.itemsize * self._entries.shape[1] + self._stamps.itemsize
         return int(slot + self.capacity * entry)
 
     def candidate(self, entry: int) -> Candidate:
-        return tuple(self._entries["tok"][entry, : self._entries["len"][entry]].tolist())
+        row = self._entries[entry]
+        return tuple(row[kernels.E_TOK : kernels.E_TOK + row[kernels.E_LEN]].tolist())
 
     def origin(self, entry: int) -> Origin:
-        return ORIGINS[int(self._entries["origin"][entry])]
+        return ORIGINS[int(self._entries[entry, kernels.E_ORIGIN])]
 
 
 class NgramPool:
@@ -337,8 +318,9 @@ class NgramPool:
         arena = self.arena
         out = np.empty(len(self), dtype=np.int64)
         count = kernels.owner_slots(arena.state, self.owner, out)
-        keys, lengths = arena._slots["key"], arena._slots["klen"]
-        return [tuple(keys[s, : lengths[s]].tolist()) for s in out[:count].tolist()]
+        slots = arena._slots
+        return [tuple(slots[s, kernels.S_KEY : kernels.S_KEY + slots[s, kernels.S_KLEN]].tolist())
+                for s in out[:count].tolist()]
 
 
 def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:

@@ -11,7 +11,10 @@ arena reserves room before each call (:meth:`PoolArena.reserve`), as vLLM's
 ``ngram`` kernel writes into preallocated outputs.
 
 The state a kernel takes is :attr:`PoolArena.state`, a tuple in the order of
-the ``ST_*`` indices below. The semantics are the Python pool's (tests hold
+the ``ST_*`` indices below: a few arrays with a row per key, candidate and pool
+(fields as columns), so that a key's or a candidate's fields share a cache line
+and a call unboxes seven arrays, not one per field (the step's kernels run
+between two forwards, with cold caches: docs/results/host-time.md). The semantics are the Python pool's (tests hold
 them against ``tests/reference_pool.py``).
 """
 
@@ -25,9 +28,13 @@ CFG_MIN_KEY, CFG_MAX_KEY, CFG_CAPACITY, CFG_TOUCH, CFG_VOTES = range(5)
 # counters
 CNT_STAMP, CNT_SLOT_FREE, CNT_ENTRY_FREE, CNT_TABLE_USED, CNT_LIVE_SLOTS = range(5)
 NUM_COUNTERS = 5
-(ST_CFG, ST_COUNTERS, ST_TABLE, ST_S_OWNER, ST_S_KLEN, ST_S_KEY, ST_S_HEAD, ST_S_COUNT, ST_S_PREV, ST_S_NEXT,
- ST_S_TPOS, ST_E_TOK, ST_E_LEN, ST_E_ORIGIN, ST_E_STAMP, ST_E_NEXT, ST_O_HEAD, ST_O_TAIL, ST_O_KEYS, ST_O_MAX_KEYS,
- ST_S_FREE, ST_E_FREE) = range(22)
+ST_CFG, ST_COUNTERS, ST_TABLE, ST_SLOTS, ST_ENTRIES, ST_STAMPS, ST_OWNERS = range(7)
+# columns of the slots (int32; one row per key, and the free slots' stack)
+S_OWNER, S_KLEN, S_HEAD, S_COUNT, S_PREV, S_NEXT, S_TPOS, S_FREE, S_KEY = range(9)
+# columns of the entries (int32; one row per candidate, and the free entries' stack); stamps are int64 apart
+E_LEN, E_ORIGIN, E_NEXT, E_FREE, E_TOK = range(5)
+# columns of the owners (int64; one row per pool)
+O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS = range(4)
 
 EMPTY = 0
 TOMBSTONE = -1
@@ -46,7 +53,7 @@ def _hash(owner, tokens, start, length):
 @njit(cache=True)
 def find_slot(st, owner, tokens, start, length):
     """The slot of ``owner``'s key ``tokens[start:start+length]``, -1 where it has none."""
-    table, s_owner, s_klen, s_key = st[ST_TABLE], st[ST_S_OWNER], st[ST_S_KLEN], st[ST_S_KEY]
+    table = st[ST_TABLE]
     mask = len(table) - 1
     i = _hash(owner, tokens, start, length) & mask
     while True:
@@ -55,10 +62,10 @@ def find_slot(st, owner, tokens, start, length):
             return -1
         if v > 0:
             s = v - 1
-            if s_owner[s] == owner and s_klen[s] == length:
+            if st[ST_SLOTS][s, S_OWNER] == owner and st[ST_SLOTS][s, S_KLEN] == length:
                 same = True
                 for j in range(length):
-                    if s_key[s, j] != tokens[start + j]:
+                    if st[ST_SLOTS][s, S_KEY + j] != tokens[start + j]:
                         same = False
                         break
                 if same:
@@ -76,33 +83,33 @@ def _insert_table(st, s, owner, tokens, start, length):
     if table[i] == EMPTY:
         st[ST_COUNTERS][CNT_TABLE_USED] += 1
     table[i] = s + 1
-    st[ST_S_TPOS][s] = i
+    st[ST_SLOTS][s, S_TPOS] = i
 
 
 @njit(cache=True)
 def _unlink_key(st, s):
-    owner = st[ST_S_OWNER][s]
-    prev, nxt = st[ST_S_PREV][s], st[ST_S_NEXT][s]
+    owner = st[ST_SLOTS][s, S_OWNER]
+    prev, nxt = st[ST_SLOTS][s, S_PREV], st[ST_SLOTS][s, S_NEXT]
     if prev >= 0:
-        st[ST_S_NEXT][prev] = nxt
+        st[ST_SLOTS][prev, S_NEXT] = nxt
     else:
-        st[ST_O_HEAD][owner] = nxt
+        st[ST_OWNERS][owner, O_HEAD] = nxt
     if nxt >= 0:
-        st[ST_S_PREV][nxt] = prev
+        st[ST_SLOTS][nxt, S_PREV] = prev
     else:
-        st[ST_O_TAIL][owner] = prev
+        st[ST_OWNERS][owner, O_TAIL] = prev
 
 
 @njit(cache=True)
 def _append_key(st, s, owner):
-    tail = st[ST_O_TAIL][owner]
-    st[ST_S_PREV][s] = tail
-    st[ST_S_NEXT][s] = -1
+    tail = st[ST_OWNERS][owner, O_TAIL]
+    st[ST_SLOTS][s, S_PREV] = tail
+    st[ST_SLOTS][s, S_NEXT] = -1
     if tail >= 0:
-        st[ST_S_NEXT][tail] = s
+        st[ST_SLOTS][tail, S_NEXT] = s
     else:
-        st[ST_O_HEAD][owner] = s
-    st[ST_O_TAIL][owner] = s
+        st[ST_OWNERS][owner, O_HEAD] = s
+    st[ST_OWNERS][owner, O_TAIL] = s
 
 
 @njit(cache=True)
@@ -111,7 +118,7 @@ def has_room(st, keys, candidate_len):
     tokens without growing (:meth:`~vllm_fafo.drafting.pool.PoolArena.reserve`'s test)."""
     counters = st[ST_COUNTERS]
     return (counters[CNT_SLOT_FREE] >= keys and counters[CNT_ENTRY_FREE] >= keys
-            and st[ST_E_TOK].shape[1] >= candidate_len and 2 * (counters[CNT_TABLE_USED] + keys) <= len(st[ST_TABLE]))
+            and st[ST_ENTRIES].shape[1] - E_TOK >= candidate_len and 2 * (counters[CNT_TABLE_USED] + keys) <= len(st[ST_TABLE]))
 
 
 @njit(cache=True)
@@ -129,8 +136,8 @@ def file_each(st, owners, contexts, context_lens, candidates, candidate_lens, or
 @njit(cache=True)
 def refresh_key(st, s):
     """Move a key to its owner's most recently used end, where the owner bounds its keys."""
-    owner = st[ST_S_OWNER][s]
-    if st[ST_O_MAX_KEYS][owner] > 0 and st[ST_O_TAIL][owner] != s:
+    owner = st[ST_SLOTS][s, S_OWNER]
+    if st[ST_OWNERS][owner, O_MAX_KEYS] > 0 and st[ST_OWNERS][owner, O_TAIL] != s:
         _unlink_key(st, s)
         _append_key(st, s, owner)
 
@@ -139,20 +146,19 @@ def refresh_key(st, s):
 def remove_slot(st, s):
     """Drop a key and its candidates."""
     counters = st[ST_COUNTERS]
-    e = st[ST_S_HEAD][s]
-    e_next, e_free = st[ST_E_NEXT], st[ST_E_FREE]
+    e = st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
-        nxt = e_next[e]
-        e_free[counters[CNT_ENTRY_FREE]] = e
+        nxt = st[ST_ENTRIES][e, E_NEXT]
+        st[ST_ENTRIES][counters[CNT_ENTRY_FREE], E_FREE] = e
         counters[CNT_ENTRY_FREE] += 1
         e = nxt
-    st[ST_TABLE][st[ST_S_TPOS][s]] = TOMBSTONE
+    st[ST_TABLE][st[ST_SLOTS][s, S_TPOS]] = TOMBSTONE
     _unlink_key(st, s)
-    st[ST_O_KEYS][st[ST_S_OWNER][s]] -= 1
-    st[ST_S_OWNER][s] = -1
-    st[ST_S_HEAD][s] = -1
-    st[ST_S_COUNT][s] = 0
-    st[ST_S_FREE][counters[CNT_SLOT_FREE]] = s
+    st[ST_OWNERS][st[ST_SLOTS][s, S_OWNER], O_KEYS] -= 1
+    st[ST_SLOTS][s, S_OWNER] = -1
+    st[ST_SLOTS][s, S_HEAD] = -1
+    st[ST_SLOTS][s, S_COUNT] = 0
+    st[ST_SLOTS][counters[CNT_SLOT_FREE], S_FREE] = s
     counters[CNT_SLOT_FREE] += 1
     counters[CNT_LIVE_SLOTS] -= 1
 
@@ -160,27 +166,27 @@ def remove_slot(st, s):
 @njit(cache=True)
 def remove_entry(st, s, e):
     """Drop candidate ``e`` of slot ``s`` (and the key, where it was the last)."""
-    counters, e_next = st[ST_COUNTERS], st[ST_E_NEXT]
-    if st[ST_S_HEAD][s] == e:
-        st[ST_S_HEAD][s] = e_next[e]
+    counters = st[ST_COUNTERS]
+    if st[ST_SLOTS][s, S_HEAD] == e:
+        st[ST_SLOTS][s, S_HEAD] = st[ST_ENTRIES][e, E_NEXT]
     else:
-        p = st[ST_S_HEAD][s]
-        while e_next[p] != e:
-            p = e_next[p]
-        e_next[p] = e_next[e]
-    st[ST_E_FREE][counters[CNT_ENTRY_FREE]] = e
+        p = st[ST_SLOTS][s, S_HEAD]
+        while st[ST_ENTRIES][p, E_NEXT] != e:
+            p = st[ST_ENTRIES][p, E_NEXT]
+        st[ST_ENTRIES][p, E_NEXT] = st[ST_ENTRIES][e, E_NEXT]
+    st[ST_ENTRIES][counters[CNT_ENTRY_FREE], E_FREE] = e
     counters[CNT_ENTRY_FREE] += 1
-    st[ST_S_COUNT][s] -= 1
-    if st[ST_S_COUNT][s] == 0:
+    st[ST_SLOTS][s, S_COUNT] -= 1
+    if st[ST_SLOTS][s, S_COUNT] == 0:
         remove_slot(st, s)
 
 
 @njit(cache=True)
 def clear_owner(st, owner):
     """Drop every key of ``owner``."""
-    s = st[ST_O_HEAD][owner]
+    s = st[ST_OWNERS][owner, O_HEAD]
     while s >= 0:
-        nxt = st[ST_S_NEXT][s]
+        nxt = st[ST_SLOTS][s, S_NEXT]
         remove_slot(st, s)
         s = nxt
 
@@ -191,19 +197,17 @@ def rehash(st):
     table = st[ST_TABLE]
     table[:] = EMPTY
     st[ST_COUNTERS][CNT_TABLE_USED] = 0
-    s_owner, s_klen, s_key = st[ST_S_OWNER], st[ST_S_KLEN], st[ST_S_KEY]
-    for s in range(len(s_owner)):
-        if s_owner[s] >= 0:
-            _insert_table(st, s, s_owner[s], s_key[s], 0, s_klen[s])
+    for s in range(len(st[ST_SLOTS])):
+        if st[ST_SLOTS][s, S_OWNER] >= 0:
+            _insert_table(st, s, st[ST_SLOTS][s, S_OWNER], st[ST_SLOTS][s, S_KEY:], 0, st[ST_SLOTS][s, S_KLEN])
 
 
 @njit(cache=True)
 def _same_entry(st, e, cand, c0, n):
-    if st[ST_E_LEN][e] != n:
+    if st[ST_ENTRIES][e, E_LEN] != n:
         return False
-    e_tok = st[ST_E_TOK]
     for j in range(n):
-        if e_tok[e, j] != cand[c0 + j]:
+        if st[ST_ENTRIES][e, E_TOK + j] != cand[c0 + j]:
             return False
     return True
 
@@ -214,31 +218,29 @@ def _file_under(st, s, cand, c0, n, origin):
     least recently used candidate where the key is full)."""
     counters = st[ST_COUNTERS]
     counters[CNT_STAMP] += 1
-    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
-    e = st[ST_S_HEAD][s]
+    e = st[ST_SLOTS][s, S_HEAD]
     oldest, oldest_stamp = -1, np.int64(0)
     while e >= 0:
         if _same_entry(st, e, cand, c0, n):
-            e_stamp[e] = counters[CNT_STAMP]
-            st[ST_E_ORIGIN][e] = origin
+            st[ST_STAMPS][e] = counters[CNT_STAMP]
+            st[ST_ENTRIES][e, E_ORIGIN] = origin
             return
-        if oldest < 0 or e_stamp[e] < oldest_stamp:
-            oldest, oldest_stamp = e, e_stamp[e]
-        e = e_next[e]
-    if st[ST_S_COUNT][s] >= st[ST_CFG][CFG_CAPACITY]:
+        if oldest < 0 or st[ST_STAMPS][e] < oldest_stamp:
+            oldest, oldest_stamp = e, st[ST_STAMPS][e]
+        e = st[ST_ENTRIES][e, E_NEXT]
+    if st[ST_SLOTS][s, S_COUNT] >= st[ST_CFG][CFG_CAPACITY]:
         e = oldest
     else:
         counters[CNT_ENTRY_FREE] -= 1
-        e = st[ST_E_FREE][counters[CNT_ENTRY_FREE]]
-        e_next[e] = st[ST_S_HEAD][s]
-        st[ST_S_HEAD][s] = e
-        st[ST_S_COUNT][s] += 1
-    e_tok = st[ST_E_TOK]
+        e = st[ST_ENTRIES][counters[CNT_ENTRY_FREE], E_FREE]
+        st[ST_ENTRIES][e, E_NEXT] = st[ST_SLOTS][s, S_HEAD]
+        st[ST_SLOTS][s, S_HEAD] = e
+        st[ST_SLOTS][s, S_COUNT] += 1
     for j in range(n):
-        e_tok[e, j] = cand[c0 + j]
-    st[ST_E_LEN][e] = n
-    st[ST_E_ORIGIN][e] = origin
-    e_stamp[e] = counters[CNT_STAMP]
+        st[ST_ENTRIES][e, E_TOK + j] = cand[c0 + j]
+    st[ST_ENTRIES][e, E_LEN] = n
+    st[ST_ENTRIES][e, E_ORIGIN] = origin
+    st[ST_STAMPS][e] = counters[CNT_STAMP]
 
 
 @njit(cache=True)
@@ -250,26 +252,26 @@ def file_candidate(st, owner, ctx, k0, k1, cand, c0, c1, origin):
         return
     cfg, counters = st[ST_CFG], st[ST_COUNTERS]
     longest = min(cfg[CFG_MAX_KEY], k1 - k0)
-    max_keys = st[ST_O_MAX_KEYS][owner]
+    max_keys = st[ST_OWNERS][owner, O_MAX_KEYS]
     for key_len in range(cfg[CFG_MIN_KEY], longest + 1):
         start = k1 - key_len
         s = find_slot(st, owner, ctx, start, key_len)
         if s < 0:
             counters[CNT_SLOT_FREE] -= 1
-            s = st[ST_S_FREE][counters[CNT_SLOT_FREE]]
+            s = st[ST_SLOTS][counters[CNT_SLOT_FREE], S_FREE]
             counters[CNT_LIVE_SLOTS] += 1
-            st[ST_S_OWNER][s] = owner
-            st[ST_S_KLEN][s] = key_len
+            st[ST_SLOTS][s, S_OWNER] = owner
+            st[ST_SLOTS][s, S_KLEN] = key_len
             for j in range(key_len):
-                st[ST_S_KEY][s, j] = ctx[start + j]
-            st[ST_S_HEAD][s] = -1
-            st[ST_S_COUNT][s] = 0
+                st[ST_SLOTS][s, S_KEY + j] = ctx[start + j]
+            st[ST_SLOTS][s, S_HEAD] = -1
+            st[ST_SLOTS][s, S_COUNT] = 0
             _insert_table(st, s, owner, ctx, start, key_len)
             _append_key(st, s, owner)
-            st[ST_O_KEYS][owner] += 1
+            st[ST_OWNERS][owner, O_KEYS] += 1
             _file_under(st, s, cand, c0, n, origin)
-            if max_keys > 0 and st[ST_O_KEYS][owner] > max_keys:
-                remove_slot(st, st[ST_O_HEAD][owner])
+            if max_keys > 0 and st[ST_OWNERS][owner, O_KEYS] > max_keys:
+                remove_slot(st, st[ST_OWNERS][owner, O_HEAD])
             continue
         refresh_key(st, s)
         _file_under(st, s, cand, c0, n, origin)
@@ -278,37 +280,35 @@ def file_candidate(st, owner, ctx, k0, k1, cand, c0, c1, origin):
 @njit(cache=True)
 def _newest(st, s):
     """The most recently used entry of slot ``s``."""
-    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
-    best, e = -1, st[ST_S_HEAD][s]
+    best, e = -1, st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
-        if best < 0 or e_stamp[e] > e_stamp[best]:
+        if best < 0 or st[ST_STAMPS][e] > st[ST_STAMPS][best]:
             best = e
-        e = e_next[e]
+        e = st[ST_ENTRIES][e, E_NEXT]
     return best
 
 
 @njit(cache=True)
 def by_recency(st, s, out):
     """Slot ``s``'s entries into ``out``, most recently used first; returns how many."""
-    e_stamp, e_next = st[ST_E_STAMP], st[ST_E_NEXT]
-    n, e = 0, st[ST_S_HEAD][s]
+    n, e = 0, st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
         i = n
-        while i > 0 and e_stamp[out[i - 1]] < e_stamp[e]:
+        while i > 0 and st[ST_STAMPS][out[i - 1]] < st[ST_STAMPS][e]:
             out[i] = out[i - 1]
             i -= 1
         out[i] = e
         n += 1
-        e = e_next[e]
+        e = st[ST_ENTRIES][e, E_NEXT]
     return n
 
 
 @njit(cache=True)
 def _votes(st, s, firsts, counts, num):
     """Count the first tokens of slot ``s``'s candidates into (firsts, counts)[:num]."""
-    e, e_tok, e_next = st[ST_S_HEAD][s], st[ST_E_TOK], st[ST_E_NEXT]
+    e = st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
-        first = e_tok[e, 0]
+        first = st[ST_ENTRIES][e, E_TOK + 0]
         k = 0
         while k < num and firsts[k] != first:
             k += 1
@@ -317,7 +317,7 @@ def _votes(st, s, firsts, counts, num):
             counts[num] = 0
             num += 1
         counts[k] += 1
-        e = e_next[e]
+        e = st[ST_ENTRIES][e, E_NEXT]
     return num
 
 
@@ -345,9 +345,9 @@ def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
         start = k1 - key_len
         sa = find_slot(st_a, own_a, ctx, start, key_len)
         sb = find_slot(st_b, own_b, ctx, start, key_len) if own_b >= 0 else -1
-        if sa >= 0 and st_a[ST_S_HEAD][sa] < 0:
+        if sa >= 0 and st_a[ST_SLOTS][sa, S_HEAD] < 0:
             sa = -1
-        if sb >= 0 and st_b[ST_S_HEAD][sb] < 0:
+        if sb >= 0 and st_b[ST_SLOTS][sb, S_HEAD] < 0:
             sb = -1
         if sa < 0 and sb < 0:
             continue
@@ -368,19 +368,19 @@ def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
             best_votes = -1
             if sa >= 0:
                 for i in range(by_recency(st_a, sa, order)):
-                    c = _count_of(firsts, counts, num, st_a[ST_E_TOK][order[i], 0])
+                    c = _count_of(firsts, counts, num, st_a[ST_ENTRIES][order[i], E_TOK + 0])
                     if c > best_votes:
                         which, best, best_votes = 0, order[i], c
             if sb >= 0:
                 for i in range(by_recency(st_b, sb, order)):
-                    c = _count_of(firsts, counts, num, st_b[ST_E_TOK][order[i], 0])
+                    c = _count_of(firsts, counts, num, st_b[ST_ENTRIES][order[i], E_TOK + 0])
                     if c > best_votes:
                         which, best, best_votes = 1, order[i], c
         st = st_a if which == 0 else st_b
         refresh_key(st, sa if which == 0 else sb)
         if st[ST_CFG][CFG_TOUCH] != 0:
             st[ST_COUNTERS][CNT_STAMP] += 1
-            st[ST_E_STAMP][best] = st[ST_COUNTERS][CNT_STAMP]
+            st[ST_STAMPS][best] = st[ST_COUNTERS][CNT_STAMP]
         return which, best, key_len
     return -1, -1, 0
 
@@ -397,19 +397,19 @@ def slot_entries(st, owner, ctx, k0, k1, out):
 def owner_slots(st, owner, out):
     """``owner``'s keys in their order (least recently used first) into ``out``; returns
     how many."""
-    n, s = 0, st[ST_O_HEAD][owner]
+    n, s = 0, st[ST_OWNERS][owner, O_HEAD]
     while s >= 0:
         out[n] = s
         n += 1
-        s = st[ST_S_NEXT][s]
+        s = st[ST_SLOTS][s, S_NEXT]
     return n
 
 
 @njit(cache=True)
 def owner_entries(st, owner):
     """Candidates held under all of ``owner``'s keys."""
-    total, s = 0, st[ST_O_HEAD][owner]
+    total, s = 0, st[ST_OWNERS][owner, O_HEAD]
     while s >= 0:
-        total += st[ST_S_COUNT][s]
-        s = st[ST_S_NEXT][s]
+        total += st[ST_SLOTS][s, S_COUNT]
+        s = st[ST_SLOTS][s, S_NEXT]
     return total

@@ -19,10 +19,11 @@ from vllm_fafo.drafting.pool_kernels import (
     CFG_MAX_KEY,
     CFG_MIN_KEY,
     CFG_VOTES,
+    E_LEN,
+    E_ORIGIN,
+    E_TOK,
     ST_CFG,
-    ST_E_LEN,
-    ST_E_ORIGIN,
-    ST_E_TOK,
+    ST_ENTRIES,
     file_candidate,
     has_room,
     match_pair,
@@ -171,21 +172,21 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                                                       scratch)
                 if which >= 0:
                     guess_entry = entry
-                    guess = frozen[ST_E_TOK][guess_entry, 0]
+                    guess = frozen[ST_ENTRIES][guess_entry, E_TOK + 0]
             if guess_entry < 0:
                 guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
                 if guess_len > 0:
                     guess = prior[context[n_ctx - 1], 0]
             which, entry, key_len = match_pair(st, own, st, shared, context, c0, n_ctx,
                                                guess if votes else -1, scratch)
-            piece, piece_len, origin = st[ST_E_TOK][0], 0, 0
+            piece, piece_len, origin = st[ST_ENTRIES][0, E_TOK:], 0, 0
             if which >= 0:
-                piece, piece_len = st[ST_E_TOK][entry], st[ST_E_LEN][entry]
-                origin = ORIGIN_SHARED if which == 1 else st[ST_E_ORIGIN][entry]
+                piece, piece_len = st[ST_ENTRIES][entry, E_TOK:], st[ST_ENTRIES][entry, E_LEN]
+                origin = ORIGIN_SHARED if which == 1 else st[ST_ENTRIES][entry, E_ORIGIN]
             elif guess_entry >= 0:
                 if frozen is not None:
-                    piece, piece_len = frozen[ST_E_TOK][guess_entry], frozen[ST_E_LEN][guess_entry]
-                    origin, key_len = frozen[ST_E_ORIGIN][guess_entry], frozen_key
+                    piece, piece_len = frozen[ST_ENTRIES][guess_entry, E_TOK:], frozen[ST_ENTRIES][guess_entry, E_LEN]
+                    origin, key_len = frozen[ST_ENTRIES][guess_entry, E_ORIGIN], frozen_key
             elif guess_len > 0:
                 piece, piece_len = prior[context[n_ctx - 1]], guess_len
                 origin, key_len = ORIGIN_PRIOR, 0

@@ -16,9 +16,11 @@ from __future__ import annotations
 from numba import njit
 
 from vllm_fafo.drafting.pool_kernels import (
-    ST_E_NEXT,
-    ST_E_TOK,
-    ST_S_HEAD,
+    E_NEXT,
+    E_TOK,
+    S_HEAD,
+    ST_ENTRIES,
+    ST_SLOTS,
     by_recency,
     file_candidate,
     find_slot,
@@ -45,17 +47,16 @@ def feed_text(pos, store, start, old_len, new_len, key_len, own, answers, text_i
 def forget_answer(pos, store, start, answer_start, length, key_len, answers, text_id):
     """Drop every place of text ``text_id`` (its keys ending from ``answer_start`` - 1 on)
     from the tenant's ``answers``."""
-    e_tok, e_next = pos[ST_E_TOK], pos[ST_E_NEXT]
     first = max(0, answer_start - key_len)
     for end in range(first + key_len - 1, length - 1):
         k0 = start + end - key_len + 1
         s = find_slot(pos, answers, store, k0, key_len)
         if s < 0:
             continue
-        e = pos[ST_S_HEAD][s]
+        e = pos[ST_SLOTS][s, S_HEAD]
         while e >= 0:
-            nxt = e_next[e]
-            if e_tok[e, 0] == text_id:
+            nxt = pos[ST_ENTRIES][e, E_NEXT]
+            if pos[ST_ENTRIES][e, E_TOK + 0] == text_id:
                 remove_entry(pos, s, e)
             e = nxt
 
@@ -84,7 +85,7 @@ def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers
         if s >= 0:
             count = by_recency(pos, s, order)
             for i in range(count - 1, -1, -1):  # oldest first
-                text, end = pos[ST_E_TOK][order[i], 0], pos[ST_E_TOK][order[i], 1]
+                text, end = pos[ST_ENTRIES][order[i], E_TOK + 0], pos[ST_ENTRIES][order[i], E_TOK + 1]
                 if text == own_text:
                     continue
                 depth = _depth(store, t_start[text], end, context, n_ctx)
@@ -94,7 +95,7 @@ def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers
     if s >= 0:
         count = by_recency(pos, s, order)
         for i in range(count - 1, -1, -1):
-            end = pos[ST_E_TOK][order[i], 0]
+            end = pos[ST_ENTRIES][order[i], E_TOK + 0]
             depth = _depth(store, t_start[own_text], end, context, n_ctx)
             if depth >= best_depth:
                 best_text, best_end, best_depth = own_text, end, depth

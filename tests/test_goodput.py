@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import (
     LANE_YIELD_UNSEEN,
     FixedController,
@@ -113,6 +114,24 @@ def test_cost_model_interpolates_a_monotone_curve_and_is_flat_outside_what_it_sa
     np.testing.assert_allclose(got, [10.0, 10.0, 15.0, 60.0, 100.0], rtol=1e-6)
     model.observe(200, 0.001)  # a noisy fast sample never makes more tokens cheaper than fewer
     assert np.all(np.diff(model.predict(np.arange(1, 600))) >= 0)
+
+
+def test_step_seconds_kernel_prices_as_the_cost_models_predict():
+    """The controller's kernel walks the curves once; the same prices as ``predict``
+    (``np.interp``) to the last bit, the dearer of two curves where lanes ran."""
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        plain, lanes = StepCostModel(), StepCostModel()
+        for model in (plain, lanes)[: rng.integers(1, 3)]:
+            for tokens in rng.integers(1, 300, size=rng.integers(1, 12)):
+                model.observe(int(tokens), float(rng.uniform(0.01, 0.1)))
+        start, count = int(rng.integers(1, 50)), int(rng.integers(1, 400))
+        tokens = start + np.arange(count)
+        for lane_count in (0, lanes.num_points):
+            got = np.zeros(count)
+            kernels.step_seconds(plain.fitted, plain.num_points, lanes.fitted, lane_count, start, got)
+            want = plain.predict(tokens) if not lane_count else np.maximum(plain.predict(tokens), lanes.predict(tokens))
+            np.testing.assert_array_equal(got, want)
 
 
 def isotonic_reference(values: np.ndarray, weights: np.ndarray) -> list[float]:

@@ -166,15 +166,30 @@ def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarra
 
 
 @njit(cache=True)
-def predict_cost(curve: np.ndarray, count: int, tokens: float) -> float:
-    """Seconds of a step of ``tokens`` tokens on a fitted curve of ``count`` points:
-    interpolated (as ``np.interp``), flat above the largest size, proportional below
-    the smallest; 1 where the curve is empty."""
-    if count == 0:
-        return 1.0
-    if tokens < curve[0, 0]:
-        return curve[1, 0] * tokens / curve[0, 0]
-    return np.interp(tokens, curve[0, :count], curve[1, :count])
+def _fill_prices(curve: np.ndarray, count: int, start: int, out: np.ndarray, dearer: bool) -> None:
+    """``out[i]``: the seconds of a step of ``start + i`` tokens on a fitted curve of
+    ``count`` points (or the dearer of them and ``out[i]``): interpolated as ``np.interp``
+    does, flat above the largest size, proportional below the smallest, 1 where the
+    curve is empty (:meth:`~vllm_fafo.control.goodput.StepCostModel.predict`), walking
+    the curve once along the ascending token counts."""
+    tokens, seconds = curve[0], curve[1]
+    j = 0
+    for i in range(len(out)):
+        x = float(start + i)
+        if count == 0:
+            price = 1.0
+        elif x < tokens[0]:
+            price = seconds[0] * x / tokens[0]
+        elif x >= tokens[count - 1]:
+            price = seconds[count - 1]
+        else:
+            while tokens[j + 1] <= x:
+                j += 1
+            if x == tokens[j]:
+                price = seconds[j]
+            else:
+                price = (seconds[j + 1] - seconds[j]) / (tokens[j + 1] - tokens[j]) * (x - tokens[j]) + seconds[j]
+        out[i] = max(out[i], price) if dearer else price
 
 
 @njit(cache=True)
@@ -182,10 +197,9 @@ def step_seconds(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_co
                  out: np.ndarray) -> None:
     """Into ``out[i]``, the price of a step of ``start + i`` tokens on the plain curve, or,
     with a lane curve (``lane_count`` > 0), the dearer of both."""
-    for i in range(len(out)):
-        out[i] = predict_cost(plain, plain_count, start + i)
-        if lane_count > 0:
-            out[i] = max(out[i], predict_cost(lanes, lane_count, start + i))
+    _fill_prices(plain, plain_count, start, out, False)
+    if lane_count > 0:
+        _fill_prices(lanes, lane_count, start, out, True)
 
 
 @njit(cache=True, error_model="numpy")

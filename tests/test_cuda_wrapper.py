@@ -78,7 +78,8 @@ class FlashWrapperLayer:
             write_like_flash(self.kv_cache, self.block_table, row, positions,
                              key[start : start + count], value[start : start + count])
         metadata = SimpleNamespace(block_table=self.block_table)
-        attach_plan({"model.layers.0.self_attn.attn": metadata}, plan)  # as the runner patch does
+        if plan is not None:  # as the runner patch does: no plan, nothing attached
+            attach_plan({"model.layers.0.self_attn.attn": metadata}, plan)
         self.impl.forward(None, query, key, value, self.kv_cache, metadata, output)
 
 

@@ -295,8 +295,9 @@ class FafoProposer:
         step.planned = True
         if self.lanes is not None:
             step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
-            self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
-            self.metrics.tail_tokens += step.plan.num_tail_tokens
+            if step.plan is not None:
+                self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
+                self.metrics.tail_tokens += step.plan.num_tail_tokens
         if self.tree_enabled:
             step.branches = self._plan_branches(batch, batch.num_tokens + step.lane_tokens)
         return step.tail_tokens

@@ -125,8 +125,10 @@ class FumbleLanes:
             state.lanes = LaneState(prompt, self.num_lanes, self.lane_len, self.max_key_len, self.stagger_lanes)
 
     # Per step ----------------------------------------------------------------------------
-    def plan_step(self, batch: BatchView, lanes_for: LaneChooser | None = None) -> StepPlan:
-        """This step's region updates and tail (token ids and positions included).
+    def plan_step(self, batch: BatchView, lanes_for: LaneChooser | None = None) -> StepPlan | None:
+        """This step's region updates and tail (token ids and positions included); None
+        where the step has neither (every request with a region decodes and its lanes are
+        parked: the attention layers then run vLLM's own attention alone).
 
         ``lanes_for`` (the goodput controller) picks the lanes per request, at
         most what the free token slots allow; None: that maximum."""
@@ -134,6 +136,10 @@ class FumbleLanes:
         decode_rows = [r for r in rows if r.is_decode]
         active = self._active_lanes(batch, len(decode_rows), lanes_for)
         park = self.park_when_off and active == 0
+        if park and not new_rows and len(decode_rows) == len(rows):  # no region work, no lanes: no plan
+            for r in rows:
+                r.state.num_drafts_staged, r.state.staged_x_pos = 0, -1
+            return None
         layout = self.policy.layout
         commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))
         prefill_chunks, catch_up = [], []

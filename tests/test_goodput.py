@@ -116,21 +116,36 @@ def test_cost_model_interpolates_a_monotone_curve_and_is_flat_outside_what_it_sa
     assert np.all(np.diff(model.predict(np.arange(1, 600))) >= 0)
 
 
-def test_step_seconds_kernel_prices_as_the_cost_models_predict():
-    """The controller's kernel walks the curves once; the same prices as ``predict``
-    (``np.interp``) to the last bit, the dearer of two curves where lanes ran."""
+def interp_reference(model: StepCostModel, tokens: np.ndarray) -> np.ndarray:
+    """A step's price as numpy says it: ``np.interp`` on the curve, flat above it,
+    proportional below it, 1 without a curve."""
+    known_tokens, known_seconds = model.curve()
+    if not len(known_tokens):
+        return np.ones(len(tokens))
+    tokens = np.asarray(tokens, dtype=np.float64)
+    inside = np.interp(tokens, known_tokens, known_seconds)
+    return np.where(tokens < known_tokens[0], known_seconds[0] * tokens / known_tokens[0], inside)
+
+
+def test_the_price_kernels_interpolate_as_numpy_to_the_last_bit():
+    """``predict`` (any tokens, any order) and the choice's ``step_seconds`` (a run of
+    token counts, the dearer of two curves where lanes ran) against ``np.interp``."""
     rng = np.random.default_rng(5)
     for _ in range(50):
         plain, lanes = StepCostModel(), StepCostModel()
-        for model in (plain, lanes)[: rng.integers(1, 3)]:
+        for model in (plain, lanes)[: rng.integers(0, 3)]:
             for tokens in rng.integers(1, 300, size=rng.integers(1, 12)):
                 model.observe(int(tokens), float(rng.uniform(0.01, 0.1)))
+        asked = rng.integers(1, 400, size=30)
+        np.testing.assert_array_equal(plain.predict(asked), interp_reference(plain, asked))
         start, count = int(rng.integers(1, 50)), int(rng.integers(1, 400))
         tokens = start + np.arange(count)
         for lane_count in (0, lanes.num_points):
             got = np.zeros(count)
             kernels.step_seconds(plain.fitted, plain.num_points, lanes.fitted, lane_count, start, got)
-            want = plain.predict(tokens) if not lane_count else np.maximum(plain.predict(tokens), lanes.predict(tokens))
+            want = interp_reference(plain, tokens)
+            if lane_count:
+                want = np.maximum(want, interp_reference(lanes, tokens))
             np.testing.assert_array_equal(got, want)
 
 

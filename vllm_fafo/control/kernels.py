@@ -166,29 +166,26 @@ def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarra
 
 
 @njit(cache=True)
-def _fill_prices(curve: np.ndarray, count: int, start: int, out: np.ndarray, dearer: bool) -> None:
-    """``out[i]``: the seconds of a step of ``start + i`` tokens on a fitted curve of
+def prices(curve: np.ndarray, count: int, tokens: np.ndarray, out: np.ndarray, dearer: bool) -> None:
+    """``out[i]``: the seconds of a step of ``tokens[i]`` tokens on a fitted curve of
     ``count`` points (or the dearer of them and ``out[i]``): interpolated as ``np.interp``
     does, flat above the largest size, proportional below the smallest, 1 where the
-    curve is empty (:meth:`~vllm_fafo.control.goodput.StepCostModel.predict`), walking
-    the curve once along the ascending token counts."""
-    tokens, seconds = curve[0], curve[1]
-    j = 0
-    for i in range(len(out)):
-        x = float(start + i)
+    curve is empty (:meth:`~vllm_fafo.control.goodput.StepCostModel.predict`)."""
+    known, seconds = curve[0], curve[1]
+    for i in range(len(tokens)):
+        x = tokens[i]
         if count == 0:
             price = 1.0
-        elif x < tokens[0]:
-            price = seconds[0] * x / tokens[0]
-        elif x >= tokens[count - 1]:
+        elif x < known[0]:
+            price = seconds[0] * x / known[0]
+        elif x >= known[count - 1]:
             price = seconds[count - 1]
         else:
-            while tokens[j + 1] <= x:
-                j += 1
-            if x == tokens[j]:
+            j = np.searchsorted(known[:count], x, side="right") - 1  # known[j] <= x < known[j + 1]
+            if x == known[j]:
                 price = seconds[j]
             else:
-                price = (seconds[j + 1] - seconds[j]) / (tokens[j + 1] - tokens[j]) * (x - tokens[j]) + seconds[j]
+                price = (seconds[j + 1] - seconds[j]) / (known[j + 1] - known[j]) * (x - known[j]) + seconds[j]
         out[i] = max(out[i], price) if dearer else price
 
 
@@ -197,9 +194,10 @@ def step_seconds(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_co
                  out: np.ndarray) -> None:
     """Into ``out[i]``, the price of a step of ``start + i`` tokens on the plain curve, or,
     with a lane curve (``lane_count`` > 0), the dearer of both."""
-    _fill_prices(plain, plain_count, start, out, False)
+    tokens = np.arange(start, start + len(out)).astype(np.float64)
+    prices(plain, plain_count, tokens, out, False)
     if lane_count > 0:
-        _fill_prices(lanes, lane_count, start, out, True)
+        prices(lanes, lane_count, tokens, out, True)
 
 
 @njit(cache=True, error_model="numpy")
@@ -246,6 +244,7 @@ def load_kernels() -> None:
     count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0, 1.0,
                          0.5, 1, 1, curve)
     step_seconds(curve, count, curve, count, 1, np.zeros(2))
+    prices(curve, count, np.ones(2), np.zeros(2), False)
     choose_draft_lengths(table, table.copy(), np.zeros(3), np.zeros((2, 3)), True, np.zeros(2, dtype=np.int64),
                          np.ones((2, 3)), index, np.ones(1, dtype=np.int64), curve, count, curve, 0, 1,
                          np.zeros(1, dtype=np.int64))

@@ -470,6 +470,8 @@ class GoodputController:
                                      TAIL_WORTH, 1.0)
         """Share of its reach each draft position is worth, by matched key length (0: no match)."""
         self.last = Decision(0, max_draft, float(max_draft))
+        self._lane_options: dict[int, np.ndarray] = {}
+        """The lanes per request :meth:`choose_lanes` weighs (0, powers of two, the most), by the most."""
 
     # Decisions -----------------------------------------------------------------------
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
@@ -478,13 +480,15 @@ class GoodputController:
         if max_lanes <= 0 or lane_requests <= 0:
             self.last.lanes, self.last.probe = 0, False
             return 0
-        options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
-        options = options[options <= max_lanes]
+        options = self._lane_options.get(max_lanes)
+        if options is None:
+            options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
+            options = self._lane_options[max_lanes] = options[options <= max_lanes]  # 0 first
         lane_tokens = options * self.lane_len * lane_requests
         base = decoding_requests * self.yields.tokens_per_request()
         gain = base + lane_tokens * self.yields.lane_yield()
-        seconds = np.where(options > 0, self._lane_step_seconds(real_tokens + lane_tokens),
-                           self._plain_cost().predict(real_tokens))
+        seconds = self._lane_step_seconds(real_tokens + lane_tokens)
+        seconds[0] = self._plain_cost().predict(real_tokens)  # no lanes: a plain step
         best = int(options[int((gain / seconds).argmax())])
         probe = best == 0 and self._lane_probe.due()
         if probe:  # the most lanes the cost model prices at no more than twice the plain step
@@ -520,8 +524,13 @@ class GoodputController:
         curve and the plain one (lanes add attention over each request's region to the
         tokens' price, never take from it; the lane curve is flat past the largest lane
         step it saw). The plain curve alone until a lane step ran."""
-        plain = self._plain_cost().predict(tokens)
-        return np.maximum(self.lane_cost.predict(tokens), plain) if self.lane_cost.has_data else plain
+        plain = self._plain_cost()
+        tokens = np.asarray(tokens, dtype=np.float64).reshape(-1)
+        seconds = np.empty(len(tokens))
+        kernels.prices(plain.fitted, plain.num_points, tokens, seconds, False)
+        if self.lane_cost.has_data:
+            kernels.prices(self.lane_cost.fitted, self.lane_cost.num_points, tokens, seconds, True)
+        return seconds
 
     def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree

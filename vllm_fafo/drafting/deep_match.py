@@ -56,7 +56,6 @@ class _Running:
     text: int
     own: int
     """The owner id of the places in its own text."""
-    answer_kept: bool
 
 
 class TenantTexts:
@@ -154,7 +153,7 @@ class TenantTexts:
         text_kernels.feed_text(self.positions.state, self.store, self.starts[text], 0, len(prompt), self.key_len,
                                own, -1, text, np.zeros(2, dtype=np.int32))
         cache.kept[req_id] = text
-        self._running[req_id] = _Running(tenant, text, own, True)
+        self._running[req_id] = _Running(tenant, text, own)
         if self.cached_answers:
             self.answers_of[text] = cache.answers
             self._answers[(tenant, req_id)] = None
@@ -212,7 +211,7 @@ class TenantTexts:
         if running is None:
             return
         self.positions.release(running.own)
-        if not self.cached_answers or not running.answer_kept:
+        if self.answers_of[running.text] < 0:  # its answer is not kept for later requests
             cache = self._tenants[running.tenant]
             if cache.kept.get(req_id) == running.text:
                 self._evict(running.tenant, req_id)
@@ -245,8 +244,7 @@ class TenantTexts:
                                        text)
         running = self._running.get(req_id)
         if running is not None and running.text == text:
-            running.answer_kept = False
-            self.answers_of[text] = -1
+            self.answers_of[text] = -1  # no longer kept: freed when the request stops
         else:
             self._free_text(text)
 

@@ -149,6 +149,66 @@ def test_the_price_kernels_interpolate_as_numpy_to_the_last_bit():
             np.testing.assert_array_equal(got, want)
 
 
+def lane_choice_reference(controller: GoodputController, real_tokens: int, lane_requests: int,
+                          decoding_requests: int, max_lanes: int) -> tuple[int, bool]:
+    """``choose_lanes``'s rule in numpy on the controller's state (without its probe's
+    bookkeeping): (lanes, probed)."""
+    options = np.unique(np.concatenate([[0], 1 << np.arange(int(np.log2(max_lanes)) + 1), [max_lanes]]))
+    options = options[options <= max_lanes]
+    yields = controller.yields
+    plain = controller.cost if controller.cost.has_data or not controller.lane_cost.has_data else controller.lane_cost
+
+    def lane_step_seconds(tokens):
+        seconds = interp_reference(plain, np.atleast_1d(tokens))
+        if controller.lane_cost.has_data:
+            seconds = np.maximum(seconds, interp_reference(controller.lane_cost, np.atleast_1d(tokens)))
+        return seconds
+
+    lane_tokens = options * LANE_LEN * lane_requests
+    base = decoding_requests * yields.tokens_per_request()
+    seconds = lane_step_seconds(real_tokens + lane_tokens)
+    seconds[0] = interp_reference(plain, np.array([real_tokens]))[0]
+    best = int(options[int(((base + lane_tokens * yields.lane_yield()) / seconds).argmax())])
+    probe = controller._lane_probe
+    if best or not probe.due():
+        return best, False
+    size = int(max(options[seconds <= 2 * seconds[0]].max(), 1))
+    could_pay = any(
+        (base + size * LANE_LEN * lane_requests * yields.lane_yield_seen())
+        / lane_step_seconds(tokens + size * LANE_LEN * lane_requests)[0]
+        >= base / interp_reference(plain, np.array([tokens]))[0]
+        for tokens in (real_tokens, decoding_requests))
+    probed = probe.in_burst() or probe.overdue() or could_pay
+    return (size if probed else 0), probed
+
+
+def test_the_lane_choice_kernel_makes_the_numpy_rules_choice():
+    """Random cost curves (plain, lanes), yields and probe states: the kernel chooses the
+    lanes and the probe that the rule written in numpy chooses."""
+    rng = np.random.default_rng(11)
+    seen = set()
+    for _ in range(2000):
+        controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
+        for model in (controller.cost, controller.lane_cost)[: rng.integers(0, 3)]:
+            per_token, knee = rng.uniform(0.0, 2e-3), rng.integers(0, 100)
+            for tokens in rng.integers(1, 300, size=rng.integers(1, 10)):
+                model.observe(int(tokens), float(0.01 + per_token * max(tokens - knee, 0) * rng.uniform(0.8, 1.2)))
+        yields = controller.yields
+        yields.decode_rows, yields.text_accepted = float(rng.uniform(0, 20)), float(rng.uniform(0, 20))
+        yields.lane_tokens = float(rng.choice([0.0, rng.uniform(1, 500)]))
+        yields.lane_accepted = float(rng.uniform(0, 0.2) * yields.lane_tokens)
+        probe = controller._lane_probe
+        probe.steps_off, probe.burst_left = int(rng.integers(0, 1100)), int(rng.random() < 0.1)
+        decoding = int(rng.integers(1, 9))
+        real, lane_requests = int(rng.integers(decoding, 200)), int(rng.integers(1, decoding + 1))
+        max_lanes = int(rng.integers(1, 20))
+        want = lane_choice_reference(controller, real, lane_requests, decoding, max_lanes)
+        assert controller.choose_lanes(real, lane_requests, decoding, max_lanes) == want[0]
+        assert controller.last.probe == want[1]
+        seen.add((want[0] > 0, want[1]))
+    assert seen == {(False, False), (True, False), (True, True)}  # off, chosen, probed
+
+
 def isotonic_reference(values: np.ndarray, weights: np.ndarray) -> list[float]:
     """The fit at i: the largest over runs starting at or before i of the smallest weighted
     mean of a run from there ending at or after i."""

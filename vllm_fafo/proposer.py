@@ -97,6 +97,8 @@ class RequestState:
 
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
+_NO_TRIALS = np.zeros((0, 3), dtype=np.int64)
+_NO_TRIALS.flags.writeable = False
 
 
 def longest_match(config: FafoConfig) -> int:
@@ -616,7 +618,7 @@ class FafoProposer:
         seconds = self.clock() - step.started
         if self._step_time is not None:
             seconds = self._step_time.share(seconds)
-        trials = np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3)
+        trials = np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3) if step.branch_trials else _NO_TRIALS
         self.controller.observe(StepOutcome(
             tokens=step.num_scheduled_tokens + step.tail_tokens,
             seconds=seconds,
@@ -628,7 +630,7 @@ class FafoProposer:
             accepted_lengths=judged[1],
             key_lens=judged[2],
             tree_tokens=0 if step.branches is None else step.branches.num_tokens,
-            uniform_draft_len=_uniform_draft_len(step, decoding_requests),
+            uniform_draft_len=_uniform_draft_len(step, decoding_requests) if self.config.pad_drafts else -1,
             branch_ranks=trials[:, 0],
             branch_lengths=trials[:, 1],
             branch_matches=trials[:, 2],

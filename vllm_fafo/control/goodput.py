@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -200,9 +201,13 @@ class StepCostModel:
         return out
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one step cost and earned, as the proposer saw it."""
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
+class StepOutcome(NamedTuple):
+    """What one step cost and earned, as the proposer saw it (a tuple: built every step,
+    where a frozen dataclass's fields cost a call each)."""
 
     tokens: int  # in the forward: real + drafts + lanes + branches
     seconds: float  # from the start of the step to the end of proposing
@@ -215,11 +220,12 @@ class StepOutcome:
     accepted_lengths: np.ndarray  # their tokens the text matched from the first on
     key_lens: np.ndarray  # length of the key each was found under (0: none)
     tree_tokens: int = 0  # draft-tree branch tokens in the forward
-    uniform_draft_len: int = -1  # every request decoded with this many drafts, nothing else ran (-1: not so)
+    uniform_draft_len: int = -1  # every request decoded with this many drafts, nothing else ran (-1: not so,
+    # or the proposer does not pad drafts to tiers: then no tier's cost is ever asked)
     # draft-tree branches off the node where their spine stopped, one entry each:
-    branch_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # place among siblings
-    branch_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens
-    branch_matches: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # tokens accepted
+    branch_ranks: np.ndarray = _NONE  # place among siblings
+    branch_lengths: np.ndarray = _NONE  # tokens
+    branch_matches: np.ndarray = _NONE  # tokens accepted
 
 
 @dataclass
@@ -472,11 +478,27 @@ class GoodputController:
         self.last = Decision(0, max_draft, float(max_draft))
         self._lane_options: dict[int, np.ndarray] = {}
         """The lanes per request :meth:`choose_lanes` weighs (0, powers of two, the most), by the most."""
+        self._lane_seconds = np.zeros(0)
+        """Scratch of :func:`~vllm_fafo.control.kernels.choose_lane_count`."""
 
     # Decisions -----------------------------------------------------------------------
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
         """Lanes per request for this forward (0..max_lanes), which has ``real_tokens``
-        tokens (drafts included) and ``lane_requests`` requests that can run lanes."""
+        tokens (drafts included) and ``lane_requests`` requests that can run lanes: of 0,
+        the powers of two and ``max_lanes``, the most expected tokens per second, in one
+        kernel call (:func:`~vllm_fafo.control.kernels.choose_lane_count`).
+
+        A step with lanes is priced by the dearer of the lane steps' curve and the plain
+        one (lanes add attention over each request's region to the tokens' price, never
+        take from it; the lane curve is flat past the largest lane step it saw); the
+        plain curve alone until a lane step ran. With lanes off and a probe due, the
+        most lanes priced at no more than twice a plain step run, in a burst, where they
+        would pay at the lane yield last measured, unshrunk (asked behind the step's
+        tokens and behind its decoding requests alone, as if drafts made room: lanes can
+        take their place). A probe costs up to twice a plain step for ``probe_burst``
+        steps; where the cost curve says lanes could not pay even at the yield they
+        showed (a CPU, where every lane token costs), probing again only spends: such
+        probes wait for the longest interval (or for the curve or the yield to change)."""
         if max_lanes <= 0 or lane_requests <= 0:
             self.last.lanes, self.last.probe = 0, False
             return 0
@@ -484,53 +506,21 @@ class GoodputController:
         if options is None:
             options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
             options = self._lane_options[max_lanes] = options[options <= max_lanes]  # 0 first
-        lane_tokens = options * self.lane_len * lane_requests
-        base = decoding_requests * self.yields.tokens_per_request()
-        gain = base + lane_tokens * self.yields.lane_yield()
-        seconds = self._lane_step_seconds(real_tokens + lane_tokens)
-        seconds[0] = self._plain_cost().predict(real_tokens)  # no lanes: a plain step
-        best = int(options[int((gain / seconds).argmax())])
-        probe = best == 0 and self._lane_probe.due()
-        if probe:  # the most lanes the cost model prices at no more than twice the plain step
-            affordable = options[seconds <= 2 * seconds[0]]
-            size = int(max(affordable.max(), 1))
-            probe = self._lane_probe.in_burst() or self._lane_probe.overdue() or any(
-                self._could_pay(tokens, base, size * self.lane_len * lane_requests)
-                for tokens in (real_tokens, decoding_requests))
-            best = size if probe else 0
-        self._lane_probe.step(chosen=best > 0, probe=probe)
-        self.last.lanes, self.last.probe = best, probe
+            self._lane_seconds = np.zeros(max(len(options) + 2, len(self._lane_seconds)))
+        plain, probe = self._plain_cost(), self._lane_probe
+        best, probed = kernels.choose_lane_count(
+            options, self.lane_len, lane_requests, real_tokens, decoding_requests, self.yields.tokens_per_request(),
+            self.yields.lane_yield(), self.yields.lane_yield_seen(), plain.fitted, plain.num_points,
+            self.lane_cost.fitted, self.lane_cost.num_points, probe.due(), probe.in_burst() or probe.overdue(),
+            self._lane_seconds)
+        probe.step(chosen=best > 0, probe=probed)
+        self.last.lanes, self.last.probe = best, probed
         return best
-
-    def _could_pay(self, real_tokens: int, base: float, lane_tokens: int) -> bool:
-        """Whether ``lane_tokens`` would pay at the lane yield last measured (unshrunk)
-        behind ``real_tokens`` (asked with the step's tokens and with its decoding
-        requests alone, as if drafts made room: lanes can take their place).
-
-        A probe costs up to twice a plain step for ``probe_burst`` steps. Where the
-        cost curve says lanes could not pay even at the yield they showed (a CPU,
-        where every lane token costs), probing again only spends; such probes wait
-        for the longest interval (or for the curve or the yield to change)."""
-        with_lanes = (base + lane_tokens * self.yields.lane_yield_seen()) / self._lane_step_seconds(real_tokens + lane_tokens)
-        return bool(with_lanes >= base / self._plain_cost().predict(real_tokens))
 
     def _plain_cost(self) -> StepCostModel:
         """The curve steps without lanes or branches are priced by: their own, or, where
         lanes ran in every recent step (its points all forgotten), the lane steps'."""
         return self.cost if self.cost.has_data or not self.lane_cost.has_data else self.lane_cost
-
-    def _lane_step_seconds(self, tokens: np.ndarray | int) -> np.ndarray:
-        """Seconds of steps with lanes of ``tokens`` tokens: the dearer of the lane steps'
-        curve and the plain one (lanes add attention over each request's region to the
-        tokens' price, never take from it; the lane curve is flat past the largest lane
-        step it saw). The plain curve alone until a lane step ran."""
-        plain = self._plain_cost()
-        tokens = np.asarray(tokens, dtype=np.float64).reshape(-1)
-        seconds = np.empty(len(tokens))
-        kernels.prices(plain.fitted, plain.num_points, tokens, seconds, False)
-        if self.lane_cost.has_data:
-            kernels.prices(self.lane_cost.fitted, self.lane_cost.num_points, tokens, seconds, True)
-        return seconds
 
     def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree

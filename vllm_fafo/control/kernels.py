@@ -200,6 +200,69 @@ def step_seconds(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_co
         prices(lanes, lane_count, tokens, out, True)
 
 
+@njit(cache=True)
+def _lane_step_price(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int, tokens: float,
+                     scratch: np.ndarray) -> float:
+    """The price of one step with lanes of ``tokens`` tokens (:func:`step_seconds`'s rule;
+    ``scratch``: two entries)."""
+    scratch[0] = tokens
+    prices(plain, plain_count, scratch[:1], scratch[1:], False)
+    if lane_count > 0:
+        prices(lanes, lane_count, scratch[:1], scratch[1:], True)
+    return scratch[1]
+
+
+@njit(cache=True, error_model="numpy")
+def choose_lane_count(options: np.ndarray, lane_len: int, lane_requests: int, real_tokens: int,
+                      decoding_requests: int, tokens_per_request: float, lane_yield: float, lane_yield_seen: float,
+                      plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int, probe_due: bool,
+                      probe_anyway: bool, seconds: np.ndarray) -> tuple[int, bool]:
+    """The goodput controller's choice of lanes per request in one call
+    (:meth:`~vllm_fafo.control.goodput.GoodputController.choose_lanes`): of ``options``
+    (0 first), the one with the most expected tokens per second, a step of ``o`` lanes
+    priced as a step with lanes of ``real_tokens + o * lane_len * lane_requests`` tokens,
+    0 as a plain step. Where that is 0 and a probe is due, the most lanes priced at no
+    more than twice the plain step, if ``probe_anyway`` (in a burst, or overdue) or they
+    could pay at ``lane_yield_seen`` behind the step's tokens or its decoding requests
+    alone. Returns (lanes, probed); ``seconds``: scratch of ``len(options) + 2``."""
+    count = len(options)
+    scratch = seconds[count:]
+    base = decoding_requests * tokens_per_request
+    seconds[0] = real_tokens
+    prices(plain, plain_count, seconds[:1], seconds[:1], False)
+    best, best_rate = 0, np.nan
+    for i in range(count):
+        lane_tokens = options[i] * lane_len * lane_requests
+        if i > 0:
+            seconds[i] = _lane_step_price(plain, plain_count, lanes, lane_count, float(real_tokens + lane_tokens),
+                                          scratch)
+        rate = (base + lane_tokens * lane_yield) / seconds[i]
+        if np.isnan(rate):  # as np.argmax: the first nan
+            if not np.isnan(best_rate):
+                best, best_rate = i, rate
+        elif i == 0 or (not np.isnan(best_rate) and rate > best_rate):
+            best, best_rate = i, rate
+    chosen = options[best]
+    if chosen != 0 or not probe_due:
+        return chosen, False
+    size = 1
+    for i in range(count):
+        if seconds[i] <= 2 * seconds[0]:
+            size = max(size, options[i])
+    probe = probe_anyway
+    if not probe:
+        lane_tokens = size * lane_len * lane_requests
+        for tokens in (real_tokens, decoding_requests):
+            with_lanes = (base + lane_tokens * lane_yield_seen) / _lane_step_price(
+                plain, plain_count, lanes, lane_count, float(tokens + lane_tokens), scratch)
+            scratch[0] = tokens
+            prices(plain, plain_count, scratch[:1], scratch[1:], False)
+            if with_lanes >= base / scratch[1]:
+                probe = True
+                break
+    return (size if probe else 0), probe
+
+
 @njit(cache=True, error_model="numpy")
 def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
                          reach_by_row: np.ndarray, refresh: bool, row_of_key_len: np.ndarray,
@@ -244,6 +307,7 @@ def load_kernels() -> None:
     count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0, 1.0,
                          0.5, 1, 1, curve)
     step_seconds(curve, count, curve, count, 1, np.zeros(2))
+    choose_lane_count(np.arange(2), 1, 1, 1, 1, 1.0, 0.1, 0.1, curve, count, curve, count, True, False, np.zeros(4))
     prices(curve, count, np.ones(2), np.zeros(2), False)
     choose_draft_lengths(table, table.copy(), np.zeros(3), np.zeros((2, 3)), True, np.zeros(2, dtype=np.int64),
                          np.ones((2, 3)), index, np.ones(1, dtype=np.int64), curve, count, curve, 0, 1,

@@ -37,11 +37,6 @@ class BatchView:
     num_tokens: int  # real tokens in the batch
     capacity: int  # token slots the runner's buffers hold
 
-    @property
-    def num_decoding(self) -> int:
-        """Rows that decode this step (one token plus their drafts), not prefill chunks."""
-        return int((np.diff(self.query_start_loc) == np.asarray(self.num_drafts) + 1).sum())
-
 
 LaneChooser = Callable[[int, int, int, int], int]
 """(real tokens, requests with lanes, decoding requests, most lanes) -> lanes per request."""
@@ -132,9 +127,9 @@ class FumbleLanes:
 
         ``lanes_for`` (the goodput controller) picks the lanes per request, at
         most what the free token slots allow; None: that maximum."""
-        rows, new_rows = self._rows_with_region(batch)
+        rows, new_rows, num_decoding = self._rows_with_region(batch)
         decode_rows = [r for r in rows if r.is_decode]
-        active = self._active_lanes(batch, len(decode_rows), lanes_for)
+        active = self._active_lanes(batch, len(decode_rows), num_decoding, lanes_for)
         park = self.park_when_off and active == 0
         if park and not new_rows and len(decode_rows) == len(rows):  # no region work, no lanes: no plan
             for r in rows:
@@ -211,14 +206,16 @@ class FumbleLanes:
             buffers = self._step_buffers[tier] = LaneStepBuffers.allocate(tier, geometry, self.device)
         return buffers
 
-    def _rows_with_region(self, batch: BatchView) -> tuple[list[_Row], list[int]]:
+    def _rows_with_region(self, batch: BatchView) -> tuple[list[_Row], list[int], int]:
         """The batch's requests that hold a region (a new one takes a free row at
-        its first chunk, which starts after any prefix-cache hit), and the region
-        rows taken this step."""
-        rows, new_rows = [], []
+        its first chunk, which starts after any prefix-cache hit), the region
+        rows taken this step, and the rows that decode (one token plus their drafts,
+        not a prompt chunk), with a region or not."""
+        rows, new_rows, num_decoding = [], [], 0
+        starts, firsts = batch.query_start_loc.tolist(), batch.num_computed_tokens.tolist()
         for row, req_id in enumerate(batch.req_ids):
-            start, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
-            first_pos = int(batch.num_computed_tokens[row])
+            start, end, first_pos = starts[row], starts[row + 1], firsts[row]
+            num_decoding += end - start == batch.num_drafts[row] + 1
             state = self._requests.get(req_id)
             if state is None:
                 first_chunk = req_id not in self._seen
@@ -227,9 +224,9 @@ class FumbleLanes:
                     continue  # no region for it: the request runs pool-only
                 state = self._requests[req_id] = _RequestLanes(self._free_rows.pop())
                 new_rows.append(state.region_row)
-            is_decode = state.lanes is not None and int(batch.num_drafts[row]) + 1 == end - start
+            is_decode = state.lanes is not None and batch.num_drafts[row] + 1 == end - start
             rows.append(_Row(row, start, end, first_pos, state, is_decode))
-        return rows, new_rows
+        return rows, new_rows, num_decoding
 
     def _catch_up(self, r: _Row, base: int) -> RegionCatchUp:
         """The sink and ring slots of positions region_end..first_pos-1, which the
@@ -242,14 +239,16 @@ class FumbleLanes:
         as_index = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=self.device)
         return RegionCatchUp(r.row, as_index(positions), as_index(base + layout.slots(positions)))
 
-    def _active_lanes(self, batch: BatchView, num_decode_rows: int, lanes_for: LaneChooser | None) -> int:
-        """Lanes per request: at most min(num_lanes, free token slots / decoding requests)."""
+    def _active_lanes(self, batch: BatchView, num_decode_rows: int, num_decoding: int,
+                      lanes_for: LaneChooser | None) -> int:
+        """Lanes per request (``num_decode_rows`` of the ``num_decoding`` decoding requests
+        hold a region): at most min(num_lanes, free token slots / requests with lanes)."""
         free = batch.capacity - batch.num_tokens
         if not num_decode_rows or free < self.lane_len:
             return 0
         active = min(self.num_lanes, free // (num_decode_rows * self.lane_len))
         if lanes_for is not None and active > 0:
-            active = min(active, lanes_for(batch.num_tokens, num_decode_rows, batch.num_decoding, active))
+            active = min(active, lanes_for(batch.num_tokens, num_decode_rows, num_decoding, active))
         return active
 
     def _layout_tails(

@@ -19,9 +19,9 @@ def add(judge: DraftJudge, slots: list[int], starts: list[int], drafts: list[lis
 
 
 def judge_batch(judge: DraftJudge, rows: dict[int, int], num_tokens: np.ndarray, token_ids: np.ndarray):
-    """``judge.judge`` of the requests (slots) at their rows ``rows``."""
-    return judge.judge(np.array(list(rows), dtype=np.int64), np.array(list(rows.values()), dtype=np.int64),
-                       num_tokens, token_ids)
+    """``judge.judge`` of the requests (slots) at their rows ``rows`` (``num_tokens`` by row)."""
+    batch_rows = np.array(list(rows.values()), dtype=np.int64)
+    return judge.judge(np.array(list(rows), dtype=np.int64), batch_rows, num_tokens[batch_rows], token_ids)
 
 
 def common_prefix(draft: list[int], text: np.ndarray, start: int) -> int:

@@ -26,7 +26,7 @@ def _snapshot(**counters) -> dict:
     metrics = FafoMetrics(**counters)
     origins = np.array([[ORIGIN_CODE[Origin.PROMPT], ORIGIN_CODE[Origin.LANE]]], dtype=np.int32)
     metrics.record_drafts(origins, np.array([2]))
-    metrics.record_acceptance(origins, np.array([0]), np.array([1]))
+    metrics.accepted_counts[ORIGIN_CODE[Origin.PROMPT]] += 1
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
             "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5,
             "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}

@@ -32,6 +32,7 @@ already keeps, never from a scan of the whole sequence.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
 from vllm_fafo.request_table import RequestTable
+from vllm_fafo.request_table import load_kernels as request_table_kernels
 from vllm_fafo.serving.metrics import FafoMetrics
 from vllm_fafo.serving.metrics import load_kernels as metrics_kernels
 from vllm_fafo.serving.metrics_export import SnapshotPublisher
@@ -98,6 +100,7 @@ class RequestState:
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
 _NO_TRIALS = np.zeros((0, 3), dtype=np.int64)
+_slot_of = operator.attrgetter("slot")
 _NO_TRIALS.flags.writeable = False
 
 
@@ -240,6 +243,7 @@ class FafoProposer:
         controller_kernels.load_kernels()
         draft_judge.load_kernels()
         metrics_kernels()
+        request_table_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
@@ -497,21 +501,20 @@ class FafoProposer:
         states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
                                                               token_ids_cpu)
                   for req_id, row in zip(decoding_ids, rows)]
-        slots = np.fromiter((state.slot for state in states), dtype=np.int64, count=count)
+        slots = np.fromiter(map(_slot_of, states), dtype=np.int64, count=count)
         decoding = np.array(rows, dtype=np.int64)
-        # What vLLM verified: the drafts it scheduled (none after a preemption, fewer where its
-        # token budget cut them), of which len(sampled) - 1 were accepted, or a branch's win.
-        accepted = np.fromiter((len(sampled_token_ids[row]) - 1 for row in rows), dtype=np.int64, count=count)
+        # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
+        # accepted, or a branch's win (RequestTable.settle).
+        taken = np.fromiter(map(len, map(sampled_token_ids.__getitem__, rows)), dtype=np.int64, count=count)
         verified = np.fromiter((len(spec_tokens.get(req_id, ())) for req_id in decoding_ids), dtype=np.int64,
                                count=count)
-        np.minimum(accepted, verified, out=accepted)
         if wins:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:
-                    accepted[i] = wins[req_id][0]
-        np.minimum(accepted, table.draft_len[slots], out=accepted)
+                    taken[i], verified[i] = 0, wins[req_id][0]
+        accepted = np.empty(count, dtype=np.int64)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
-        self.metrics.record_acceptance(table.draft_origins, slots, accepted)
+        table.settle(slots, taken, verified, self.metrics.accepted_counts, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
         rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
@@ -520,7 +523,7 @@ class FafoProposer:
                                        table.prompt_len[slots], next_anchors, rooms)
         table.next_anchor[slots] = next_anchors
         self._learn(step, count, int(accepted.sum()), lane_accepted,
-                    self.judge.judge(slots, decoding, num_tokens_no_spec, token_ids_cpu))
+                    self.judge.judge(slots, decoding, num_tokens, token_ids_cpu))
         self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
         if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
             tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,

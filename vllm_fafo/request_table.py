@@ -10,6 +10,7 @@ proposer contract itself needs (its lists of sampled and drafted tokens).
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 
 class RequestTable:
@@ -61,3 +62,34 @@ class RequestTable:
         self.owners[slot] = -1
         self._free.append(slot)
         return True
+
+    def settle(self, slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, counts: np.ndarray,
+               accepted: np.ndarray) -> None:
+        """What vLLM accepted of each decoding request's last draft, into ``accepted``:
+        of the tokens it took for request ``slots[i]`` (``taken[i]``, one of them its
+        own), the drafts it verified (``verified[i]``: those it scheduled, none after a
+        preemption, fewer where its token budget cut them), at most the draft's length;
+        where ``taken[i]`` is 0 (a draft tree's branch won), ``verified[i]`` tokens. The
+        accepted tokens' origins are added to ``counts`` (the metrics')."""
+        settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, counts, accepted)
+
+
+@njit(cache=True)
+def settle_drafts(slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, draft_len: np.ndarray,
+                  draft_origins: np.ndarray, counts: np.ndarray, accepted: np.ndarray) -> None:
+    """:meth:`RequestTable.settle` in one call."""
+    for i in range(len(slots)):
+        slot = slots[i]
+        count = verified[i] if taken[i] == 0 else min(taken[i] - 1, verified[i])
+        count = min(count, draft_len[slot])
+        accepted[i] = count
+        for k in range(count):
+            counts[draft_origins[slot, k]] += 1
+
+
+def load_kernels() -> None:
+    """Run the kernel once on the step's types, so that numba loads it (on a new
+    machine: compiles it) while the engine starts."""
+    table = RequestTable(1, capacity=1)
+    one = np.zeros(1, dtype=np.int64)
+    table.settle(one, one, one, np.zeros(8, dtype=np.int64), one.copy())

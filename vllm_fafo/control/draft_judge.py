@@ -45,8 +45,10 @@ class DraftJudge:
         self.max_draft = max_draft
         self._table = np.zeros((capacity, _TOKENS + max_draft), dtype=np.int64)
         self._count = 0
-        self._row_of_slot = np.zeros(64, dtype=np.int64)
-        """Scratch of :func:`judge_drafts`: each slot's batch row this step."""
+        self._judged = np.zeros((3, capacity), dtype=np.int64)
+        """:meth:`judge`'s answers (views of it are handed out, valid until the next call)."""
+        self._index_of_slot = np.zeros(64, dtype=np.int64)
+        """Scratch of :func:`judge_drafts`: each slot's place in the batch this step."""
 
     def __len__(self) -> int:
         return self._count
@@ -62,23 +64,26 @@ class DraftJudge:
             raise ValueError(f"a draft of {int(lengths.max())} tokens; the judge holds at most {self.max_draft}")
         if self._count + len(lengths) > len(self._table):
             self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(lengths)])])
+            self._judged = np.zeros((3, len(self._table)), dtype=np.int64)
         self._count = queue_drafts(self._table, self._count, as_int64(slots), as_int64(starts),
                                    np.ascontiguousarray(tokens), lengths, as_int64(key_lens))
 
     def judge(self, slots: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
               token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Judge the queued drafts of the requests ``slots`` (each at batch row ``rows[i]``
-        of ``token_ids``, whose first ``num_tokens[row]`` tokens are the request's text so
+        of ``token_ids``, whose first ``num_tokens[i]`` tokens are the request's text so
         far) that their text now decides: it covers the whole draft, or differs from it
         within what it covers. Returns those drafts' (lengths, tokens matched, key
-        lengths) and drops them; the others wait for more text."""
-        slots = as_int64(slots)
-        top = int(slots.max(initial=-1)) + 1
-        if top > len(self._row_of_slot):
-            self._row_of_slot = np.zeros(2 * top, dtype=np.int64)
-        judged = np.zeros((3, self._count), dtype=np.int64)
-        self._count, count = judge_drafts(self._table, self._count, slots, as_int64(rows), self._row_of_slot,
-                                          as_int64(num_tokens), token_ids, judged)
+        lengths), views valid until the next call, and drops them; the others wait for
+        more text."""
+        slots, rows, num_tokens = as_int64(slots), as_int64(rows), as_int64(num_tokens)
+        judged = self._judged
+        count = judge_drafts(self._table, self._count, slots, rows, self._index_of_slot, num_tokens, token_ids, judged)
+        if count < 0:  # a slot past the scratch: grown once
+            self._index_of_slot = np.zeros(2 * (int(slots.max()) + 1), dtype=np.int64)
+            count = judge_drafts(self._table, self._count, slots, rows, self._index_of_slot, num_tokens, token_ids,
+                                 judged)
+        self._count -= count
         return judged[0, :count], judged[1, :count], judged[2, :count]
 
     def forget(self, slots: Iterable[int]) -> None:
@@ -111,26 +116,31 @@ def queue_drafts(table: np.ndarray, count: int, slots: np.ndarray, starts: np.nd
 
 
 @njit(cache=True)
-def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndarray, row_of_slot: np.ndarray,
-                 num_tokens: np.ndarray, token_ids: np.ndarray, judged: np.ndarray) -> tuple[int, int]:
+def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndarray, index_of_slot: np.ndarray,
+                 num_tokens: np.ndarray, token_ids: np.ndarray, judged: np.ndarray) -> int:
     """Judge the first ``count`` rows of ``table`` whose slot is among ``slots`` (batch
-    rows ``rows``): a draft is decided when the text covers it or differs from it within
-    what it covers; its (length, tokens matched, key length) go to the next column of
-    ``judged`` and its row is dropped, the others kept in order. Returns (rows kept,
-    drafts judged). ``row_of_slot``: scratch, an entry for every slot of ``slots``."""
-    row_of_slot[:] = -1
+    rows ``rows``, texts ``num_tokens`` long): a draft is decided when the text covers it
+    or differs from it within what it covers; its (length, tokens matched, key length)
+    go to the next column of ``judged`` and its row is dropped, the others kept in order.
+    Returns the drafts judged, or -1, having changed nothing, where a slot has no entry
+    in ``index_of_slot`` (scratch)."""
+    for i in range(len(slots)):
+        if slots[i] >= len(index_of_slot):
+            return -1
+    index_of_slot[:] = -1
     for i in range(len(slots)):
         if slots[i] >= 0:
-            row_of_slot[slots[i]] = rows[i]
+            index_of_slot[slots[i]] = i
     last = token_ids.shape[1] - 1
     kept = done = 0
     for i in range(count):
         owner = table[i, _OWNER]
-        row = row_of_slot[owner] if owner < len(row_of_slot) else -1  # a slot beyond it is not in the batch
+        at = index_of_slot[owner] if owner < len(index_of_slot) else -1  # a slot beyond it is not in the batch
         decided = False
-        if row >= 0:
+        if at >= 0:
+            row = rows[at]
             start, length = table[i, _START], table[i, _LENGTH]
-            covered = min(max(num_tokens[row] - start, 0), length)
+            covered = min(max(num_tokens[at] - start, 0), length)
             matched = 0
             while matched < covered and token_ids[row, min(start + matched, last)] == table[i, _TOKENS + matched]:
                 matched += 1
@@ -142,7 +152,7 @@ def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndar
             if kept != i:
                 table[kept, :] = table[i, :]
             kept += 1
-    return kept, done
+    return done
 
 
 def load_kernels() -> None:

@@ -558,12 +558,11 @@ class GoodputController:
         yields, lane_curve = self.yields, self.lane_cost
         lengths = np.zeros(len(available), dtype=np.int64)
         # ties: the earlier token first, so each request keeps a prefix
-        kernels.choose_draft_lengths(yields.position_trials, yields.position_hits, *yields.reach_arrays(),
-                                     yields.row_of_key_len, self._worth_share, key_lens, available, plain.fitted,
-                                     plain.num_points, lane_curve.fitted, lane_curve.num_points if lanes_on else 0,
-                                     step_tokens, lengths)
-        self.last.draft_len = int(lengths.max())
-        self.last.mean_draft_len = int(lengths.sum()) / len(lengths)
+        longest, total = kernels.choose_draft_lengths(
+            yields.position_trials, yields.position_hits, *yields.reach_arrays(), yields.row_of_key_len,
+            self._worth_share, key_lens, available, plain.fitted, plain.num_points, lane_curve.fitted,
+            lane_curve.num_points if lanes_on else 0, step_tokens, lengths)
+        self.last.draft_len, self.last.mean_draft_len = longest, total / len(lengths)
         return lengths
 
     def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:

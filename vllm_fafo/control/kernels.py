@@ -268,11 +268,12 @@ def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np
                          reach_by_row: np.ndarray, refresh: bool, row_of_key_len: np.ndarray,
                          worth_share: np.ndarray, key_lens: np.ndarray, available: np.ndarray,
                          plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int,
-                         step_tokens: int, lengths: np.ndarray) -> None:
+                         step_tokens: int, lengths: np.ndarray) -> tuple[int, int]:
     """The goodput controller's whole choice of draft lengths in one call: the reach
     tables brought up to date (``refresh``: :func:`draft_reach`), each request's row and
     worth share by its key length, the next step's price per token count on the cost
-    curves (:func:`step_seconds`), then :func:`choose_lengths`."""
+    curves (:func:`step_seconds`), then :func:`choose_lengths`. Returns the longest
+    length chosen and their sum."""
     if refresh:
         draft_reach(trials, hits, reach_overall, reach_by_row)
     count = len(available)
@@ -288,6 +289,10 @@ def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np
     seconds = np.empty(total + 1)
     step_seconds(plain, plain_count, lanes, lane_count, step_tokens, seconds)
     choose_lengths(reach_by_row, rows, worth_share, matched, available, float(count), seconds, lengths)
+    longest, total = 0, 0
+    for r in range(count):
+        longest, total = max(longest, lengths[r]), total + lengths[r]
+    return longest, total
 
 
 def load_kernels() -> None:

@@ -34,14 +34,6 @@ def count_drafts(origins: np.ndarray, lengths: np.ndarray, pad: int, proposed: n
             proposed[origins[i, k]] += 1
 
 
-@njit(cache=True)
-def count_accepted(origins: np.ndarray, rows: np.ndarray, accepted: np.ndarray, counts: np.ndarray) -> None:
-    """Add the accepted prefixes ``origins[rows[i], :accepted[i]]`` to ``counts`` by origin."""
-    for i in range(len(rows)):
-        for k in range(accepted[i]):
-            counts[origins[rows[i], k]] += 1
-
-
 def _per_origin(counts: np.ndarray) -> dict[str, int]:
     return {origin.value: n for origin, n in zip(ORIGINS, counts.tolist())}
 
@@ -49,7 +41,8 @@ def _per_origin(counts: np.ndarray) -> dict[str, int]:
 @dataclass
 class FafoMetrics:
     """Running totals of one proposer (one worker). The per-step counts are arrays the
-    step's kernels add to (:func:`count_drafts`, :func:`count_accepted`)."""
+    step's kernels add to (:func:`count_drafts`, and the accepted tokens'
+    :func:`~vllm_fafo.request_table.settle_drafts`)."""
 
     propose_calls: int = 0
     tail_tokens: int = 0
@@ -99,11 +92,6 @@ class FafoMetrics:
         (:class:`Origin` codes, int32); an empty draft, or filler only, is a miss."""
         count_drafts(origins, lengths, ORIGIN_CODE[Origin.PAD], self.proposed_counts, self.draft_counts)
 
-    def record_acceptance(self, origins: np.ndarray, rows: np.ndarray, accepted: np.ndarray) -> None:
-        """The accepted prefixes of the last drafts: ``origins[rows[i], :accepted[i]]``
-        (:class:`Origin` codes, int32) for each request i that decoded."""
-        count_accepted(origins, rows, accepted, self.accepted_counts)
-
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)
         del counts["draft_counts"], counts["proposed_counts"], counts["accepted_counts"]
@@ -116,7 +104,6 @@ def load_kernels() -> None:
     (on a new machine: compiles them) while the engine starts."""
     origins, lengths = np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int64)
     count_drafts(origins, lengths, 0, np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64))
-    count_accepted(origins, np.zeros(1, dtype=np.int64), lengths, np.zeros(1, dtype=np.int64))
 
 
 def worker_metrics(worker: Any) -> dict[str, Any] | None:

@@ -176,9 +176,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         num_tokens = np.array([request.num_tokens for request in running], dtype=np.int64)
         next_anchors = np.array([request.next_anchor for request in running], dtype=np.int64)
         owners = np.stack([index.owners(request.req_id, request.pools) for request in running])
-        found = index.draft_batch(owners, _stacked(running), np.arange(len(running)), num_tokens,
-                                  np.array([request.prompt_len for request in running], dtype=np.int64),
-                                  next_anchors, np.full(len(running), k, dtype=np.int64))
+        batch = np.arange(len(running))
+        found = index.draft_batch(batch, owners, np.array([request.prompt_len for request in running], dtype=np.int64),
+                                  next_anchors, _stacked(running), batch, num_tokens, k, int(num_tokens.max()) + k)
         key_lens = found.key_lens.tolist()
         drafts, contexts = [], []
         for i, request in enumerate(running):

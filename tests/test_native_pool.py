@@ -227,10 +227,9 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers)
             req["ref_anchor"] = max(req["ref_anchor"], req["n"] - ngram_len)
         shared_refs.trim()
         anchors = np.array([req["anchor"] for req in live], dtype=np.int64)
-        found = index.draft_batch(np.stack([index.owners(req["id"], req["pools"]) for req in live]),
-                                  np.stack([req["text"] for req in live]), np.arange(len(live)),
-                                  np.array([req["n"] for req in live]), np.full(len(live), 20), anchors,
-                                  np.full(len(live), room))
+        found = index.draft_batch(np.arange(len(live)), np.stack([index.owners(req["id"], req["pools"]) for req in live]),
+                                  np.full(len(live), 20), anchors, np.stack([req["text"] for req in live]),
+                                  np.arange(len(live)), np.array([req["n"] for req in live]), room, length)
         for i, req in enumerate(live):
             draft, origins, first_key = want[i]
             assert found.tokens[i, : found.lengths[i]].tolist() == draft, (step, i)
@@ -261,8 +260,8 @@ def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_
     draft, its origins and the context length it matched."""
     history = np.asarray([history], dtype=np.int32)
     n = history.shape[1]
-    found = index.draft_batch(index.owners(req_id, pools)[None], history, np.array([0]), np.array([n]),
-                              np.array([prompt_len]), np.array([next_anchor]), np.array([room]))
+    found = index.draft_batch(np.array([0]), index.owners(req_id, pools)[None], np.array([prompt_len]),
+                              np.array([next_anchor]), history, np.array([0]), np.array([n]), room, n + room)
     length = int(found.lengths[0])
     return (found.tokens[0, :length].tolist(), [native.ORIGINS[c] for c in found.origins[0, :length].tolist()],
             int(found.key_lens[0]))
@@ -272,10 +271,12 @@ KERNELS_LOADED_AT_START = """
 import numba
 from vllm_fafo.control import draft_judge, kernels as controller_kernels
 from vllm_fafo.drafting import pool_kernels, step_kernel, text_kernels
+from vllm_fafo import request_table
 from vllm_fafo.serving import metrics
 from tests.test_proposer import FakeBatch, make_proposer
 
-kernels = [f for m in (pool_kernels, text_kernels, step_kernel, controller_kernels, draft_judge, metrics)
+kernels = [f for m in (pool_kernels, text_kernels, step_kernel, controller_kernels, draft_judge, metrics,
+                       request_table)
            for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
 proposer = make_proposer(deep_match=True, share_pool=True, controller="goodput")  # the engine's start

@@ -100,8 +100,8 @@ class RequestState:
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
 _NO_TRIALS = np.zeros((0, 3), dtype=np.int64)
+"""A step without branch trials (empty: nothing in it can change)."""
 _slot_of = operator.attrgetter("slot")
-_NO_TRIALS.flags.writeable = False
 
 
 def longest_match(config: FafoConfig) -> int:
@@ -517,18 +517,15 @@ class FafoProposer:
         table.settle(slots, taken, verified, self.metrics.accepted_counts, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
-        rooms = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens)
-        next_anchors = table.next_anchor[slots]
-        found = self.index.draft_batch(table.owners[slots], token_ids_cpu, decoding, num_tokens,
-                                       table.prompt_len[slots], next_anchors, rooms)
-        table.next_anchor[slots] = next_anchors
+        found = self.index.draft_batch(slots, table.owners, table.prompt_len, table.next_anchor, token_ids_cpu,
+                                       decoding, num_tokens, self.num_speculative_tokens, self.max_model_len)
         self._learn(step, count, int(accepted.sum()), lane_accepted,
                     self.judge.judge(slots, decoding, num_tokens, token_ids_cpu))
         self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
         if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
             tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,
                                                self.draft_tiers)
-            np.minimum(rooms, tier, out=rooms)
+            rooms = np.minimum(tier, self.max_model_len - num_tokens)
             np.minimum(found.lengths, rooms, out=found.lengths)
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
             self.metrics.record_padded_step(tier, count)

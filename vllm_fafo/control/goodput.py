@@ -202,7 +202,7 @@ class StepCostModel:
 
 
 _NONE = np.zeros(0, dtype=np.int64)
-_NONE.flags.writeable = False
+"""No entries (empty: nothing in it can change)."""
 
 
 class StepOutcome(NamedTuple):

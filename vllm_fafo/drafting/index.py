@@ -110,19 +110,21 @@ class DraftIndex:
         if self.texts is not None:
             self.texts.stop(req_id)
 
-    def draft_batch(self, owners: np.ndarray, history: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
-                    prompt_lens: np.ndarray, next_anchors: np.ndarray, rooms: np.ndarray) -> BatchDrafts:
+    def draft_batch(self, slots: np.ndarray, owners: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
+                    history: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, max_draft: int,
+                    max_len: int) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
-        since ``next_anchors[i]`` (int64, advanced in place) into its pools and draft up to
-        ``rooms[i]`` tokens: the deep match of its text's end, chained on from its pools,
-        else its pools' chain, where they miss the frozen table, then the prior table.
-        ``owners[i]``: the request's ids (:meth:`owners`). One kernel call
+        into its pools and draft up to ``min(max_draft, max_len - num_tokens[i])`` tokens:
+        the deep match of its text's end, chained on from its pools, else its pools'
+        chain, where they miss the frozen table, then the prior table. Request i's numbers
+        are entry ``slots[i]`` of ``owners`` (its ids, :meth:`owners`), ``prompt_lens`` and
+        ``next_anchors`` (the first position whose n-gram it has not filed, advanced in
+        place): tables by slot, as the proposer's :class:`~vllm_fafo.request_table.RequestTable`
+        keeps them (int64). One kernel call
         (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`), which first checks that
         everything it may add fits (the arrays grow here, outside it, where not). The
         drafts are views of buffers the next call reuses."""
         config = self.config
-        rows, num_tokens, prompt_lens, rooms = (np.asarray(a, dtype=np.int64) for a in (rows, num_tokens, prompt_lens,
-                                                                                         rooms))
         frozen_owner = -1 if self.frozen is None else self.frozen.owner
         for _ in range(4):  # each shortage is made good once
             texts = self._no_texts
@@ -132,11 +134,12 @@ class DraftIndex:
             tokens, origins, lengths, key_lens, context = self._outputs
             status = step_kernel.file_and_draft(
                 self.arena.state, self._frozen_state, frozen_owner, self._prior, self._prior_lens, texts, history,
-                rows, num_tokens, prompt_lens, next_anchors, owners, rooms, config.ngram_len,
+                rows, num_tokens, slots, prompt_lens, next_anchors, owners, max_draft, max_len, config.ngram_len,
                 config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
             if status == step_kernel.ROOM_OK:
                 break
-            self._make_room(status, owners, num_tokens, prompt_lens, next_anchors, rooms)
+            self._make_room(status, owners[slots], num_tokens, prompt_lens[slots], next_anchors[slots],
+                            np.minimum(max_draft, max_len - num_tokens))
         else:
             raise RuntimeError(f"DraftIndex.draft_batch: the step's kernel still lacks room ({status}) after growing")
         if self.shared is not None:
@@ -146,7 +149,8 @@ class DraftIndex:
 
     def _make_room(self, status: int, owners: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray,
                    next_anchors: np.ndarray, rooms: np.ndarray) -> None:
-        """Grow what the step's kernel found short (``status``, :data:`step_kernel.ROOM_OK` and after)."""
+        """Grow what the step's kernel found short (``status``, :data:`step_kernel.ROOM_OK`
+        and after), for the requests of these numbers (one row each)."""
         config = self.config
         if status == step_kernel.ROOM_OUTPUTS:
             self._outputs = self._new_outputs(max(len(num_tokens), 2 * len(self._outputs[2])),
@@ -184,8 +188,9 @@ def load_kernels(config: FafoConfig) -> None:
     index = DraftIndex(config)
     history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
     pools = index.new_pools("warm-up", None, history[0, :32])
-    index.draft_batch(index.owners("warm-up", pools)[None], history, np.zeros(1, dtype=np.int64), np.array([40]),
-                      np.array([32]), np.zeros(1, dtype=np.int64), np.array([4]))
+    one = np.zeros(1, dtype=np.int64)
+    index.draft_batch(one, index.owners("warm-up", pools)[None], np.array([32]), one.copy(), history, one,
+                      np.array([40]), 4, 64)
     add_each_to_pools([pools], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(pools, [1, 2]))
     index.stop("warm-up")

@@ -49,8 +49,8 @@ texts or the outputs lack room (the caller grows them and calls again)."""
 
 
 @njit(cache=True)
-def _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_anchors, rooms, ngram_len,
-          seed_from_output, drafts, context, max_key):
+def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors, max_draft, max_len,
+          ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
     the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
     growth and their places, the outputs' rows and width."""
@@ -59,15 +59,16 @@ def _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_
         return ROOM_OUTPUTS
     keys, places = 0, 0
     for i in range(count):
-        if rooms[i] > drafts.shape[1]:
+        s = slots[i]
+        if min(max_draft, max_len - num_tokens[i]) > drafts.shape[1]:
             return ROOM_OUTPUTS
         stop = num_tokens[i] - ngram_len
         if not seed_from_output:
-            stop = min(stop, prompt_lens[i] - ngram_len)
-        if stop > next_anchors[i]:
-            keys += (stop - next_anchors[i]) * (2 if owners[i, 1] >= 0 else 1)
+            stop = min(stop, prompt_lens[s] - ngram_len)
+        if stop > next_anchors[s]:
+            keys += (stop - next_anchors[s]) * (2 if owners[s, 1] >= 0 else 1)
         if deep_on:
-            text = owners[i, 2]
+            text = owners[s, 2]
             if num_tokens[i] > t_cap[text]:
                 return ROOM_TEXTS
             places += max(num_tokens[i] - t_len[text], 0)
@@ -81,18 +82,21 @@ def _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_
 
 
 @njit(cache=True)
-def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, prompt_lens,
-                   next_anchors, owners, rooms, ngram_len, seed_from_output, drafts, origins, draft_lens,
-                   key_lens, scratch, context):
+def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
+                   next_anchors, owners, max_draft, max_len, ngram_len, seed_from_output, drafts, origins,
+                   draft_lens, key_lens, scratch, context):
     """One step's filing and drafting for every decoding request, in row order (the
-    Python proposer's loop): file the n-grams ``history[row]`` completed since
-    ``next_anchors[i]`` into the request's pool ``owners[i, 0]`` and its tenant's shared
-    pool ``owners[i, 1]`` (-1: none), then draft up to ``rooms[i]`` tokens: a deep match
+    Python proposer's loop). Request i's numbers are entry ``s = slots[i]`` of
+    ``owners``, ``prompt_lens`` and ``next_anchors`` (tables by slot), its text the first
+    ``num_tokens[i]`` tokens of ``history[rows[i]]``: file the n-grams it completed since
+    ``next_anchors[s]`` into the request's pool ``owners[s, 0]`` and its tenant's shared
+    pool ``owners[s, 1]`` (-1: none), then draft up to ``min(max_draft, max_len -
+    num_tokens[i])`` tokens: a deep match
     first, then chained candidates of the pools, where they miss Cacheback's frozen table
     (``frozen``, its owner ``frozen_owner``; None: none), then the prior table (``prior_lens`` non-empty), whose next
     token votes where the pools rank by votes. ``texts``: the deep matches' (places
     arena, store, text starts, lengths, capacities, answers owner by text, key length,
-    on); row i's text is ``owners[i, 2]``, the places in it owner ``owners[i, 3]``, fed
+    on); request i's text is ``owners[s, 2]``, the places in it owner ``owners[s, 3]``, fed
     up to ``num_tokens``. Writes rows ``:len(rows)`` of ``drafts``, ``origins``,
     ``draft_lens``, ``key_lens`` (the deep match's depth, else the first piece's key, 0
     for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
@@ -101,14 +105,15 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
     pos, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
-    room_status = _room(st, pos, t_cap, t_len, deep_on, owners, num_tokens, prompt_lens, next_anchors, rooms,
-                        ngram_len, seed_from_output, drafts, context, max_key)
+    room_status = _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors,
+                        max_draft, max_len, ngram_len, seed_from_output, drafts, context, max_key)
     if room_status != ROOM_OK:
         return room_status
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
     for i in range(len(rows)):
-        own, shared = owners[i, 0], owners[i, 1]
+        s = slots[i]
+        own, shared = owners[s, 0], owners[s, 1]
         drafts[i, :] = 0
         origins[i, :] = 0
         hist = history[rows[i]]
@@ -116,23 +121,23 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         # file the completed n-grams (anchors whose n-gram is whole)
         stop = n_tok - ngram_len
         if not seed_from_output:
-            stop = min(stop, prompt_lens[i] - ngram_len)
-        for anchor in range(next_anchors[i], stop):
+            stop = min(stop, prompt_lens[s] - ngram_len)
+        for anchor in range(next_anchors[s], stop):
             end = anchor + 1
-            origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[i] else ORIGIN_OUTPUT
+            origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
             file_candidate(st, own, hist, k0, end, hist, end, end + ngram_len, origin)
             if shared >= 0:
                 file_candidate(st, shared, hist, k0, end, hist, end, end + ngram_len, origin)
-        if stop > next_anchors[i]:
-            next_anchors[i] = stop
-        room = rooms[i]
+        if stop > next_anchors[s]:
+            next_anchors[s] = stop
+        room = min(max_draft, max_len - n_tok)
         length = 0
         first_key = 0
         first = True
         # the deep match: feed the text, match its end
         if deep_on:
-            text, text_own = owners[i, 2], owners[i, 3]
+            text, text_own = owners[s, 2], owners[s, 3]
             fed = t_len[text]
             for j in range(fed, n_tok):
                 store[t_start[text] + j] = hist[j]

@@ -8,7 +8,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
-from vllm_fafo.serving.metrics import FafoMetrics
+from vllm_fafo.serving.metrics import FafoMetrics, count_drafts
 from vllm_fafo.serving.metrics_export import (
     COUNTERS,
     GAUGES,
@@ -25,7 +25,7 @@ from .test_proposer import make_proposer
 def _snapshot(**counters) -> dict:
     metrics = FafoMetrics(**counters)
     origins = np.array([[ORIGIN_CODE[Origin.PROMPT], ORIGIN_CODE[Origin.LANE]]], dtype=np.int32)
-    metrics.record_drafts(origins, np.array([2]))
+    count_drafts(origins, np.array([2]), ORIGIN_CODE[Origin.PAD], metrics.proposed_counts, metrics.draft_counts)
     metrics.accepted_counts[ORIGIN_CODE[Origin.PROMPT]] += 1
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
             "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5,

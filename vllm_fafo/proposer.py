@@ -514,7 +514,7 @@ class FafoProposer:
                     taken[i], verified[i] = 0, wins[req_id][0]
         accepted = np.empty(count, dtype=np.int64)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
-        table.settle(slots, taken, verified, self.metrics.accepted_counts, accepted)
+        table.settle(slots, taken, verified, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
         found = self.index.draft_batch(slots, table.owners, table.prompt_len, table.next_anchor, token_ids_cpu,
@@ -533,9 +533,7 @@ class FafoProposer:
         else:
             lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
             np.minimum(found.lengths, lengths, out=found.lengths)
-        self.metrics.record_drafts(found.origins, found.lengths)
-        table.draft_len[slots] = found.lengths
-        table.draft_origins[slots, : found.origins.shape[1]] = found.origins
+        table.keep(slots, found.origins, found.lengths, self.metrics)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, tokens, length in zip(rows, found.tokens.tolist(), found.lengths.tolist()):
             drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)

@@ -12,6 +12,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
+from vllm_fafo.serving.metrics import FafoMetrics, count_drafts
+
+_PAD = ORIGIN_CODE[Origin.PAD]
+
 
 class RequestTable:
     """Slots of running requests: where they file (``owners``), how far their text is
@@ -63,15 +68,22 @@ class RequestTable:
         self._free.append(slot)
         return True
 
-    def settle(self, slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, counts: np.ndarray,
+    def settle(self, slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, metrics: FafoMetrics,
                accepted: np.ndarray) -> None:
         """What vLLM accepted of each decoding request's last draft, into ``accepted``:
         of the tokens it took for request ``slots[i]`` (``taken[i]``, one of them its
         own), the drafts it verified (``verified[i]``: those it scheduled, none after a
         preemption, fewer where its token budget cut them), at most the draft's length;
         where ``taken[i]`` is 0 (a draft tree's branch won), ``verified[i]`` tokens. The
-        accepted tokens' origins are added to ``counts`` (the metrics')."""
-        settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, counts, accepted)
+        metrics count the accepted tokens by origin."""
+        settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, metrics.accepted_counts, accepted)
+
+    def keep(self, slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, metrics: FafoMetrics) -> None:
+        """The drafts proposed this step (request ``slots[i]``'s first ``lengths[i]``
+        tokens, of ``origins[i]``), kept until :meth:`settle` next step; the metrics
+        count them (an empty draft, or filler only, is a miss)."""
+        keep_drafts(slots, origins, lengths, self.draft_len, self.draft_origins, _PAD, metrics.proposed_counts,
+                    metrics.draft_counts)
 
 
 @njit(cache=True)
@@ -87,9 +99,21 @@ def settle_drafts(slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, dr
             counts[draft_origins[slot, k]] += 1
 
 
+@njit(cache=True)
+def keep_drafts(slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, draft_len: np.ndarray,
+                draft_origins: np.ndarray, pad: int, proposed: np.ndarray, totals: np.ndarray) -> None:
+    """:meth:`RequestTable.keep` in one call."""
+    count_drafts(origins, lengths, pad, proposed, totals)
+    for i in range(len(slots)):
+        slot, length = slots[i], lengths[i]
+        draft_len[slot] = length
+        draft_origins[slot, :length] = origins[i, :length]
+
+
 def load_kernels() -> None:
     """Run the kernel once on the step's types, so that numba loads it (on a new
     machine: compiles it) while the engine starts."""
-    table = RequestTable(1, capacity=1)
+    table, metrics = RequestTable(1, capacity=1), FafoMetrics()
     one = np.zeros(1, dtype=np.int64)
-    table.settle(one, one, one, np.zeros(8, dtype=np.int64), one.copy())
+    table.settle(one, one, one, metrics, one.copy())
+    table.keep(one, np.zeros((1, 1), dtype=np.int32), one, metrics)

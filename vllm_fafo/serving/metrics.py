@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from vllm_fafo.drafting.pool import ORIGIN_CODE, ORIGINS, Origin
+from vllm_fafo.drafting.pool import ORIGINS
 
 LOOKUPS, POOL_HITS = 0, 1
 """Rows of :attr:`FafoMetrics.draft_counts`."""
@@ -41,8 +41,7 @@ def _per_origin(counts: np.ndarray) -> dict[str, int]:
 @dataclass
 class FafoMetrics:
     """Running totals of one proposer (one worker). The per-step counts are arrays the
-    step's kernels add to (:func:`count_drafts`, and the accepted tokens'
-    :func:`~vllm_fafo.request_table.settle_drafts`)."""
+    step's kernels add to (:mod:`vllm_fafo.request_table`'s, with :func:`count_drafts`)."""
 
     propose_calls: int = 0
     tail_tokens: int = 0
@@ -86,11 +85,6 @@ class FafoMetrics:
     def record_padded_step(self, draft_len: int, requests: int) -> None:
         key = str(draft_len)
         self.padded_request_steps[key] = self.padded_request_steps.get(key, 0) + requests
-
-    def record_drafts(self, origins: np.ndarray, lengths: np.ndarray) -> None:
-        """One step's drafts, row ``i`` its first ``lengths[i]`` tokens' origins
-        (:class:`Origin` codes, int32); an empty draft, or filler only, is a miss."""
-        count_drafts(origins, lengths, ORIGIN_CODE[Origin.PAD], self.proposed_counts, self.draft_counts)
 
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)

@@ -43,7 +43,7 @@ GUESS_VOTES = 2
 
 
 @njit(cache=True, inline="always")
-def _hash(owner, tokens, start, length):
+def hash_key(owner, tokens, start, length):
     h = np.int64(owner) * np.int64(0x9E3779B1) + np.int64(length)
     for i in range(start, start + length):
         h = (h ^ np.int64(tokens[i])) * np.int64(0x100000001B3)
@@ -55,7 +55,7 @@ def find_slot(st, owner, tokens, start, length):
     """The slot of ``owner``'s key ``tokens[start:start+length]``, -1 where it has none."""
     table = st[ST_TABLE]
     mask = len(table) - 1
-    i = _hash(owner, tokens, start, length) & mask
+    i = hash_key(owner, tokens, start, length) & mask
     while True:
         v = table[i]
         if v == EMPTY:
@@ -77,7 +77,7 @@ def find_slot(st, owner, tokens, start, length):
 def _insert_table(st, s, owner, tokens, start, length):
     table = st[ST_TABLE]
     mask = len(table) - 1
-    i = _hash(owner, tokens, start, length) & mask
+    i = hash_key(owner, tokens, start, length) & mask
     while table[i] > 0:
         i = (i + 1) & mask
     if table[i] == EMPTY:

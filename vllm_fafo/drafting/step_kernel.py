@@ -22,10 +22,15 @@ from vllm_fafo.drafting.pool_kernels import (
     E_LEN,
     E_ORIGIN,
     E_TOK,
+    S_HEAD,
     ST_CFG,
     ST_ENTRIES,
+    ST_SLOTS,
+    ST_STAMPS,
+    ST_TABLE,
     file_candidate,
     has_room,
+    hash_key,
     match_pair,
 )
 from vllm_fafo.drafting.text_kernels import deep_match, feed_text
@@ -82,6 +87,49 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
 
 
 @njit(cache=True)
+def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
+                  seed_from_output, max_key):
+    """Read, changing nothing, what the step's filing will probe first (each key's table
+    cell, its key row, its newest candidate's row), in three passes over all its keys;
+    returns a checksum. Each pass's reads are independent of each other, so the
+    processor overlaps their cache misses; the filing's own probes wait each for the
+    one before (the caches are cold after a forward: docs/results/host-time.md)."""
+    table, keys, entries, stamps = st[ST_TABLE], st[ST_SLOTS], st[ST_ENTRIES], st[ST_STAMPS]
+    mask = len(table) - 1
+    min_key = st[ST_CFG][CFG_MIN_KEY]
+    total = 0
+    for i in range(len(rows)):
+        s = slots[i]
+        stop = num_tokens[i] - ngram_len
+        if not seed_from_output:
+            stop = min(stop, prompt_lens[s] - ngram_len)
+        total += max(stop - next_anchors[s], 0) * (2 if owners[s, 1] >= 0 else 1)
+    cells = np.empty(total * (max_key - min_key + 1), dtype=np.int64)
+    n = 0
+    for i in range(len(rows)):
+        s = slots[i]
+        hist = history[rows[i]]
+        stop = num_tokens[i] - ngram_len
+        if not seed_from_output:
+            stop = min(stop, prompt_lens[s] - ngram_len)
+        for anchor in range(next_anchors[s], stop):
+            end = anchor + 1
+            for key_len in range(min_key, min(max_key, end) + 1):
+                for j in range(2):
+                    owner = owners[s, j]
+                    if owner >= 0:
+                        cells[n] = table[hash_key(owner, hist, end - key_len, key_len) & mask]
+                        n += 1
+    for j in range(n):
+        cells[j] = keys[cells[j] - 1, S_HEAD] if cells[j] > 0 else -1
+    checksum = 0
+    for j in range(n):
+        if cells[j] >= 0:
+            checksum += entries[cells[j], E_LEN] + stamps[cells[j]]
+    return checksum
+
+
+@njit(cache=True)
 def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
                    next_anchors, owners, max_draft, max_len, ngram_len, seed_from_output, drafts, origins,
                    draft_lens, key_lens, scratch, context):
@@ -111,6 +159,9 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         return room_status
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
+    if _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
+                     seed_from_output, max_key) == -1:  # never: keeps the reads
+        order[0] = 0
     for i in range(len(rows)):
         s = slots[i]
         own, shared = owners[s, 0], owners[s, 1]

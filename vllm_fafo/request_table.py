@@ -111,8 +111,8 @@ def keep_drafts(slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, dra
 
 
 def load_kernels() -> None:
-    """Run the kernel once on the step's types, so that numba loads it (on a new
-    machine: compiles it) while the engine starts."""
+    """Run the kernels once on the step's types, so that numba loads them (on a new
+    machine: compiles them) while the engine starts."""
     table, metrics = RequestTable(1, capacity=1), FafoMetrics()
     one = np.zeros(1, dtype=np.int64)
     table.settle(one, one, one, metrics, one.copy())

@@ -48,6 +48,16 @@ def _prior_piece(prior, prior_lens, token):
     return prior_lens[token]
 
 
+@njit(cache=True, inline="always")
+def _filing_stop(num_tokens, prompt_len, ngram_len, seed_from_output):
+    """The first anchor a text of ``num_tokens`` tokens cannot file yet: its n-gram is
+    not whole (nor, where output is not seeded, inside the prompt)."""
+    stop = num_tokens - ngram_len
+    if not seed_from_output:
+        stop = min(stop, prompt_len - ngram_len)
+    return stop
+
+
 ROOM_OK, ROOM_POOLS, ROOM_TEXTS, ROOM_OUTPUTS = range(4)
 """:func:`file_and_draft`'s answers: done, or nothing done because the pools' arena, the
 texts or the outputs lack room (the caller grows them and calls again)."""
@@ -58,60 +68,51 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
           ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
     the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
-    growth and their places, the outputs' rows and width."""
+    growth and their places, the outputs' rows and width; and the keys it files."""
     count = len(num_tokens)
     if count > drafts.shape[0]:
-        return ROOM_OUTPUTS
+        return ROOM_OUTPUTS, 0
     keys, places = 0, 0
     for i in range(count):
         s = slots[i]
         if min(max_draft, max_len - num_tokens[i]) > drafts.shape[1]:
-            return ROOM_OUTPUTS
-        stop = num_tokens[i] - ngram_len
-        if not seed_from_output:
-            stop = min(stop, prompt_lens[s] - ngram_len)
+            return ROOM_OUTPUTS, 0
+        stop = _filing_stop(num_tokens[i], prompt_lens[s], ngram_len, seed_from_output)
         if stop > next_anchors[s]:
             keys += (stop - next_anchors[s]) * (2 if owners[s, 1] >= 0 else 1)
         if deep_on:
             text = owners[s, 2]
             if num_tokens[i] > t_cap[text]:
-                return ROOM_TEXTS
+                return ROOM_TEXTS, 0
             places += max(num_tokens[i] - t_len[text], 0)
+    keys *= max_key - st[ST_CFG][CFG_MIN_KEY] + 1
     if 2 * max_key + 2 * drafts.shape[1] + MATCH_DEPTH > len(context):
-        return ROOM_OUTPUTS
-    if not has_room(st, keys * (max_key - st[ST_CFG][CFG_MIN_KEY] + 1), ngram_len):
-        return ROOM_POOLS
+        return ROOM_OUTPUTS, keys
+    if not has_room(st, keys, ngram_len):
+        return ROOM_POOLS, keys
     if deep_on and not has_room(pos, 2 * places + 2, 2):
-        return ROOM_TEXTS
-    return ROOM_OK
+        return ROOM_TEXTS, keys
+    return ROOM_OK, keys
 
 
 @njit(cache=True)
 def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
-                  seed_from_output, max_key):
+                  seed_from_output, max_key, num_keys):
     """Read, changing nothing, what the step's filing will probe first (each key's table
-    cell, its key row, its newest candidate's row), in three passes over all its keys;
-    returns a checksum. Each pass's reads are independent of each other, so the
-    processor overlaps their cache misses; the filing's own probes wait each for the
-    one before (the caches are cold after a forward: docs/results/host-time.md)."""
+    cell, its key row, its newest candidate's row), in three passes over its keys (at
+    most ``num_keys``, as :func:`_room` counted them); returns a checksum. Each pass's
+    reads are independent of each other, so the processor overlaps their cache misses;
+    the filing's own probes wait each for the one before (the caches are cold after a
+    forward: docs/results/host-time.md)."""
     table, keys, entries, stamps = st[ST_TABLE], st[ST_SLOTS], st[ST_ENTRIES], st[ST_STAMPS]
     mask = len(table) - 1
     min_key = st[ST_CFG][CFG_MIN_KEY]
-    total = 0
-    for i in range(len(rows)):
-        s = slots[i]
-        stop = num_tokens[i] - ngram_len
-        if not seed_from_output:
-            stop = min(stop, prompt_lens[s] - ngram_len)
-        total += max(stop - next_anchors[s], 0) * (2 if owners[s, 1] >= 0 else 1)
-    cells = np.empty(total * (max_key - min_key + 1), dtype=np.int64)
+    cells = np.empty(num_keys, dtype=np.int64)
     n = 0
     for i in range(len(rows)):
         s = slots[i]
         hist = history[rows[i]]
-        stop = num_tokens[i] - ngram_len
-        if not seed_from_output:
-            stop = min(stop, prompt_lens[s] - ngram_len)
+        stop = _filing_stop(num_tokens[i], prompt_lens[s], ngram_len, seed_from_output)
         for anchor in range(next_anchors[s], stop):
             end = anchor + 1
             for key_len in range(min_key, min(max_key, end) + 1):
@@ -153,14 +154,15 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
     pos, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
-    room_status = _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors,
-                        max_draft, max_len, ngram_len, seed_from_output, drafts, context, max_key)
+    room_status, num_keys = _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens,
+                                  next_anchors, max_draft, max_len, ngram_len, seed_from_output, drafts, context,
+                                  max_key)
     if room_status != ROOM_OK:
         return room_status
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
     if _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
-                     seed_from_output, max_key) == -1:  # never: keeps the reads
+                     seed_from_output, max_key, num_keys) == -1:  # never: keeps the reads
         order[0] = 0
     for i in range(len(rows)):
         s = slots[i]
@@ -170,9 +172,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         hist = history[rows[i]]
         n_tok = num_tokens[i]
         # file the completed n-grams (anchors whose n-gram is whole)
-        stop = n_tok - ngram_len
-        if not seed_from_output:
-            stop = min(stop, prompt_lens[s] - ngram_len)
+        stop = _filing_stop(n_tok, prompt_lens[s], ngram_len, seed_from_output)
         for anchor in range(next_anchors[s], stop):
             end = anchor + 1
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT

@@ -8,16 +8,22 @@ sampled (temperature 0.8, unseeded unless ``--seeded-sampling``),
 itself. Reports completed / aborted / failed requests, streamed tokens per
 second, the server's resident memory over time (API server and engine
 processes together), and whether a fixed greedy request gives the same text
-before and after the load. With the plugin on, it also reads the plugin's own
+before and after the load. Several ``--speculative-config`` values (``none``:
+plain vLLM) are soaked one after another, ``--rounds`` times in turn, and compared
+in one table: the servers' own memory growth varies by a hundred MiB from run to
+run, so a difference between two configs needs them measured in the same run,
+more than once. With the plugin on, it also reads the plugin's own
 state off ``/metrics`` once the load has drained: no request state, region
 row or unfreed request may be left behind, and the shared pool holds no more
-keys than its bound. Exits non-zero when a request failed, the text changed,
+keys than its bound; the draft index's arrays (``index_bytes``) are reported
+next to the growth. Exits non-zero when a request failed, the text changed,
 plugin state was left behind, or memory grew by more than
 ``--max-rss-growth-kib-per-token`` per streamed token (memory grows with the
 work served, plain vLLM's too, so the bound is per token, not absolute).
 
     python benchmarks/soak.py --concurrency 16 --seconds 60
-    python benchmarks/soak.py --speculative-config none --concurrency 16 --seconds 60
+    python benchmarks/soak.py --speculative-config none --speculative-config '{"method": "fafo"}' \
+        --concurrency 32 --seconds 180 --rounds 2
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -88,20 +95,26 @@ class VllmServer:
             time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout}s; see {self.log.name}")
 
-    def rss_mib(self) -> float:
-        """Resident memory of the server and every process it started."""
+    def rss_by_process_mib(self) -> dict[str, float]:
+        """Resident memory of the server and every process it started, by process name
+        (``vllm`` the API server, ``VLLM::EngineCore`` the engine; same names summed)."""
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0.0
-        total = 0
+            return {}
+        rss: dict[str, float] = {}
         for proc in procs:
             try:
-                total += proc.memory_info().rss
+                name, used = proc.name(), proc.memory_info().rss / 2**20
             except psutil.NoSuchProcess:
                 continue
-        return total / 2**20
+            rss[name] = rss.get(name, 0.0) + used
+        return rss
+
+    def rss_mib(self) -> float:
+        """Resident memory of the server and every process it started."""
+        return sum(self.rss_by_process_mib().values())
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -189,7 +202,7 @@ async def run_load(url: str, prompts: list[str], concurrency: int, seconds: floa
 
 
 PLUGIN_STATE = ("requests_tracked", "requests_with_region", "requests_started_total", "requests_freed_total",
-                "shared_pool_keys")
+                "shared_pool_keys", "index_bytes")
 """The plugin's metrics (``vllm:fafo_<name>`` on ``/metrics``) read after the load."""
 
 
@@ -230,14 +243,16 @@ def fixed_greedy_text(url: str) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def soak(args: argparse.Namespace) -> dict:
+def soak(args: argparse.Namespace, spec: dict | None, out: Path) -> dict:
+    """One server soaked (``spec`` None: plain vLLM); its report, also in ``out``/soak.json."""
     from vllm_fafo.config import FafoConfig
+    from vllm_fafo.modes import METHODS
     from vllm_fafo.tools.assets import load_prompts, smollm2_dir
 
+    plugin_runs = spec is not None and spec.get("method") in METHODS  # else plain vLLM or a vLLM method
+
     model = args.model or str(smollm2_dir())
-    spec = None if args.speculative_config == "none" else json.loads(args.speculative_config)
     extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = VllmServer(model, extra, str(out / "server.log"), kv_cache_mib=args.kv_cache_mib)
     rss: list[tuple[float, float]] = []
@@ -253,6 +268,7 @@ def soak(args: argparse.Namespace) -> dict:
                 stop_sampling.wait(args.rss_interval)
 
         sampler = threading.Thread(target=sample_rss, daemon=True)
+        rss_before = server.rss_by_process_mib()
         sampler.start()
         load, seconds = asyncio.run(run_load(
             server.url, load_prompts("mtbench"), args.concurrency, args.seconds, args.abort_fraction,
@@ -261,7 +277,8 @@ def soak(args: argparse.Namespace) -> dict:
         time.sleep(args.settle_seconds)  # aborted requests drain before the last sample
         stop_sampling.set()
         sampler.join()
-        state = None if spec is None else plugin_state(server.url)
+        rss_after = server.rss_by_process_mib()
+        state = plugin_state(server.url) if plugin_runs else None
         text_after = fixed_greedy_text(server.url)
     finally:
         stop_sampling.set()
@@ -283,6 +300,9 @@ def soak(args: argparse.Namespace) -> dict:
         "rss_peak_mib": max(r for _, r in rss) if rss else None,
         "rss_growth_mib": round(growth, 1),
         "rss_growth_kib_per_token": round(growth_kib_per_token, 1),
+        "rss_growth_by_process_mib": {name: round(rss_after.get(name, 0.0) - mib, 1)
+                                      for name, mib in rss_before.items()},
+        "index_mib": None if state is None else round(state["index_bytes"] / 2**20, 1),
         "plugin_state": state,
         "plugin_state_left_behind": left_behind,
         "same_text_before_and_after": text_before == text_after,
@@ -296,11 +316,39 @@ def soak(args: argparse.Namespace) -> dict:
     return report
 
 
+def label(spec: dict | None) -> str:
+    return "plain" if spec is None else json.dumps(spec, separators=(",", ":"))
+
+
+def compare(reports: list[dict]) -> tuple[str, dict[str, float]]:
+    """A markdown table of every run, and each config's median growth over plain vLLM's
+    (MiB; empty where plain vLLM was not soaked)."""
+    lines = ["| config | round | completed / aborted / failed | tokens/s | RSS start MiB | growth MiB "
+             "| by process | KiB per token | index MiB | passed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    growth: dict[str, list[float]] = {}
+    for report in reports:
+        name = label(report["speculative_config"])
+        growth.setdefault(name, []).append(report["rss_growth_mib"])
+        by_process = ", ".join(f"{process} {mib:+.0f}" for process, mib in report["rss_growth_by_process_mib"].items())
+        lines.append(f"| `{name}` | {report['round']} | {report['completed']} / {report['aborted']} / "
+                     f"{report['failed']} | {report['tokens_per_s']} | {report['rss_start_mib']} | "
+                     f"{report['rss_growth_mib']} | {by_process} | {report['rss_growth_kib_per_token']} | "
+                     f"{report['index_mib'] if report['index_mib'] is not None else '-'} | {report['passed']} |")
+    over_plain = {} if "plain" not in growth else {
+        name: round(statistics.median(values) - statistics.median(growth["plain"]), 1)
+        for name, values in growth.items() if name != "plain"}
+    lines += ["", *(f"`{name}`: median growth {value:+.1f} MiB over plain vLLM's"
+                    for name, value in over_plain.items())]
+    return "\n".join(lines), over_plain
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2 build)")
-    parser.add_argument("--speculative-config", default='{"method": "fafo"}',
-                        help="JSON passed to vllm serve --speculative-config, or 'none' for plain vLLM")
+    parser.add_argument("--speculative-config", action="append",
+                        help="JSON passed to vllm serve --speculative-config, or 'none' for plain vLLM; give it "
+                             "more than once to soak each in turn (default: {\"method\": \"fafo\"})")
+    parser.add_argument("--rounds", type=int, default=1, help="times every config is soaked, in turn")
     parser.add_argument("--concurrency", type=int, default=16, help="requests kept in flight")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long new requests are sent")
     parser.add_argument("--max-requests", type=int, default=100_000, help="stop sending after this many")
@@ -320,17 +368,33 @@ def main() -> None:
                              "does not use offset' in GPUModelRunner._bookkeeping_sync, plain vLLM too)")
     parser.add_argument("--out", default="benchmarks/results/soak")
     args = parser.parse_args()
-    for name in ("concurrency", "max_requests", "min_tokens", "max_tokens"):
+    for name in ("concurrency", "max_requests", "min_tokens", "max_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.min_tokens > args.max_tokens:
         parser.error(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
     if not 0.0 <= args.abort_fraction <= 1.0:
         parser.error(f"--abort-fraction must be in [0, 1], got {args.abort_fraction}")
-    report = soak(args)
-    summary = {k: v for k, v in report.items() if k != "rss_over_time"}
-    print(json.dumps(summary, indent=1))
-    sys.exit(0 if report["passed"] else 1)
+    specs = []
+    for text in args.speculative_config or ['{"method": "fafo"}']:
+        try:
+            specs.append(None if text == "none" else json.loads(text))
+        except json.JSONDecodeError as error:
+            parser.error(f"--speculative-config {text!r} is neither 'none' nor JSON: {error}")
+    out = Path(args.out)
+    reports, run_dirs = [], []
+    for round_index in range(args.rounds):
+        for i, spec in enumerate(specs):
+            run_dirs.append(out / f"round{round_index}-config{i}")
+            report = {"round": round_index, **soak(args, spec, run_dirs[-1])}
+            reports.append(report)
+            print(json.dumps({k: v for k, v in report.items() if k != "rss_over_time"}, indent=1), flush=True)
+    table, over_plain = compare(reports)
+    (out / "summary.json").write_text(json.dumps(
+        {"runs": [str(path) for path in run_dirs], "growth_over_plain_mib": over_plain}, indent=1))
+    (out / "summary.md").write_text(table + "\n")
+    print(table)
+    sys.exit(0 if all(report["passed"] for report in reports) else 1)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def test_short_soak_with_aborts_holds(tmp_path, model_dir):
         "--max-rss-growth-kib-per-token", str(MAX_RSS_GROWTH_KIB_PER_TOKEN), "--out", str(out),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    report = json.loads((out / "soak.json").read_text())
+    report = json.loads((out / "round0-config0" / "soak.json").read_text())
     summary = {k: v for k, v in report.items() if k != "rss_over_time"}
     assert report["failed"] == 0, summary
     assert report["completed"] > 0 and report["aborted"] > 0, summary

@@ -455,6 +455,7 @@ class FafoProposer:
             "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
             "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
             "cached_answers": 0 if self.texts is None else self.texts.num_cached_requests(),
+            "index_bytes": self.index.nbytes(),
             "controller": self.controller.summary(),
         }
 

@@ -225,6 +225,11 @@ class TenantTexts:
             if req_id not in self._running:
                 self._evict(tenant, req_id)
 
+    def nbytes(self) -> int:
+        """Bytes of the texts' and places' arrays (allocated, used or not)."""
+        arrays = (self.store, self.starts, self.lengths, self.capacities, self._answer_starts, self.answers_of)
+        return self.positions.nbytes() + int(sum(a.nbytes for a in arrays))
+
     @property
     def num_tenants(self) -> int:
         return len(self._tenants)

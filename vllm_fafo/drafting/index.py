@@ -105,6 +105,12 @@ class DraftIndex:
             ids[2:] = self.texts.ids(req_id)
         return ids
 
+    def nbytes(self) -> int:
+        """Bytes of what the index grows as it serves (allocated, used or not): the pools'
+        arena and the deep matches' texts and places. The frozen and prior tables, read
+        once at start, are left out."""
+        return self.arena.nbytes() + (0 if self.texts is None else self.texts.nbytes())
+
     def stop(self, req_id: str) -> None:
         """A request finished: its answer stays for deep matches of later requests."""
         if self.texts is not None:

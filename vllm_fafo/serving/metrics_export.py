@@ -71,6 +71,8 @@ GAUGES: dict[str, str] = {
     "shared_pool_tenants": "Tenants (cache_salt values) with a shared pool.",
     "shared_pool_keys": "Keys held by the shared pools of all tenants.",
     "cached_answers": "Answers (finished and running) of all tenants that deep matches are drafted from.",
+    "index_bytes": "Bytes of the draft index's arrays (pools, shared pools, deep matches' texts and places), "
+                   "allocated.",
 }
 """Snapshot key -> help text of each gauge (exported as ``vllm:fafo_<key>``)."""
 

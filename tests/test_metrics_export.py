@@ -28,7 +28,7 @@ def _snapshot(**counters) -> dict:
     count_drafts(origins, np.array([2]), ORIGIN_CODE[Origin.PAD], metrics.proposed_counts, metrics.draft_counts)
     metrics.accepted_counts[ORIGIN_CODE[Origin.PROMPT]] += 1
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
-            "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5,
+            "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5, "index_bytes": 4096,
             "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}
 
 
@@ -85,6 +85,9 @@ def test_goodput_controller_curve_is_exported(tmp_path):
     assert registry.get_sample_value("vllm:fafo_controller_draft_len", labels) == proposer.num_speculative_tokens
     text = generate_latest(registry).decode()
     assert 'vllm:fafo_draft_reach_probability{' in text and 'position="1"' in text
+    assert set(proposer.metrics_snapshot()) - {"controller"} == set(COUNTERS) | set(GAUGES)
+    index_bytes = registry.get_sample_value("vllm:fafo_index_bytes", {"model_name": "m", "engine": "1"})
+    assert index_bytes == proposer.index.nbytes() > 0
 
 
 def test_stat_logger_is_inert_without_fafo():

@@ -447,3 +447,22 @@ def test_cpu_attention_row_invariance_command_runs():
                "--dtype", "bfloat16", "--split-kv", "off"]
     result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
     assert "| 300 | 9 |" in result.stdout and "arrangements differ" in result.stdout
+
+
+def test_soak_table_gives_each_config_s_median_growth_over_plain_vllm_s():
+    def report(spec, round_index, growth):
+        return {"speculative_config": spec, "round": round_index, "completed": 10, "aborted": 2, "failed": 0,
+                "tokens_per_s": 50.0, "rss_start_mib": 3000.0, "rss_growth_mib": growth,
+                "rss_growth_by_process_mib": {"vllm": 1.0, "VLLM::Worker": growth - 1.0},
+                "rss_growth_kib_per_token": 10.0, "index_mib": None if spec is None else 11.4, "passed": True}
+
+    fafo = {"method": "fafo"}
+    reports = [report(None, 0, 250.0), report(fafo, 0, 460.0), report(None, 1, 270.0), report(fafo, 1, 300.0),
+               report(None, 2, 100.0), report(fafo, 2, 400.0)]
+    from benchmarks.soak import compare
+
+    table, over_plain = compare(reports)
+    assert over_plain == {'{"method":"fafo"}': 150.0}  # medians 400 and 250, not the rounds' own differences
+    assert '| `{"method":"fafo"}` | 1 | 10 / 2 / 0 | 50.0 | 3000.0 | 300.0 | vllm +1, VLLM::Worker +299 | 10.0 | 11.4 |' \
+        in table
+    assert compare(reports[1::2])[1] == {}  # no plain run: nothing to compare

@@ -97,7 +97,8 @@ class VllmServer:
 
     def rss_by_process_mib(self) -> dict[str, float]:
         """Resident memory of the server and every process it started, by process name
-        (``vllm`` the API server, ``VLLM::EngineCore`` the engine; same names summed)."""
+        (``vllm`` the API server, ``VLLM::EngineCore`` the engine core, ``VLLM::Worker`` the
+        model runner; same names summed)."""
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]

@@ -83,9 +83,10 @@ class FafoConfig:
     tenant (vLLM's ``cache_salt``; unsalted requests share one), drafted from after
     the request's own pool under each key (vllm_fafo.drafting.shared_pool)."""
     shared_pool_keys: int = 65536
-    """Keys the shared pools hold over all tenants (0.6 kB each with one candidate,
-    at least 1.2 kB each in a loaded server): a tenant's least recently used key is evicted at this many, and the
-    least recently used tenants are dropped while all of them hold more."""
+    """Keys the shared pools hold over all tenants (about 0.1 kB each with one candidate, 0.44 kB with
+    ``pool_capacity`` candidates, ``PoolArena.bytes_per_key``; the arrays grow geometrically): a tenant's least
+    recently used key is evicted at this many, and the least recently used tenants are dropped while all of
+    them hold more."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
     cached_answers: int = 10000

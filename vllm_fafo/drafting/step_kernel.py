@@ -68,7 +68,8 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
           ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
     the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
-    growth and their places, the outputs' rows and width; and the keys it files."""
+    growth and their places, the outputs' rows and width; and the keys it files (0 where
+    it stopped before counting them all; only :data:`ROOM_OK`'s count is used)."""
     count = len(num_tokens)
     if count > drafts.shape[0]:
         return ROOM_OUTPUTS, 0

@@ -174,3 +174,23 @@ def test_plugin_info_lines_reach_vllms_log_handler(module):
     with vllm_info_lines() as messages:
         logger.info("vllm-fafo log check")
     assert messages == ["vllm-fafo log check"]
+
+
+def test_fafo_on_cpu_bounds_onednns_primitive_cache_unless_the_user_set_it(model_dir, monkeypatch):
+    """oneDNN keeps a compiled matrix kernel per step token count (1,024 by default): a fafo
+    engine on CPU bounds it before vLLM starts its processes; the user's value stands; a
+    plain or vLLM-method engine is left as it is."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fafo.patches import engine_args
+
+    env = engine_args.ONEDNN_CACHE_ENV
+    monkeypatch.delenv(env, raising=False)
+    engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config={"method": "ngram"}))
+    engine_args.translate_speculative_config(EngineArgs(model=model_dir))
+    assert env not in os.environ
+    engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config={"method": "fafo"}))
+    assert os.environ[env] == str(engine_args.ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv(env, "1024")
+    engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config={"method": "fafo"}))
+    assert os.environ[env] == "1024"

@@ -1,10 +1,7 @@
 """The tests' reference deep matches: plain Python and numpy, the semantics the native
 ones (vllm_fafo.drafting.deep_match, numba kernels in vllm_fafo.drafting.text_kernels)
 must keep; this was the plugin's until the native one replaced it (2026-12-02).
-tests/test_native_pool.py drives both alike through a whole step. The one
-difference: where more requests run than answers are kept, the oldest running
-request's answer is evicted and its next ``draft`` here raises ``KeyError`` (the
-native one goes on in its own text).
+tests/test_native_pool.py drives both alike through a whole step.
 """
 
 from __future__ import annotations
@@ -215,40 +212,40 @@ class _Running:
     tenant: str | None
     fed: int
     """Tokens of the request's text its cache holds."""
+    prompt_len: int
 
 
 class TenantTexts:
     """One :class:`TextCache` per tenant; requests start, grow, draft and stop here.
 
-    The answers kept for later requests are bounded over all tenants together
-    (``cached_answers``, the oldest answer evicted first), not per tenant;
-    at most ``max_tenants`` tenants (the least recently used one without
-    running requests is dropped). ``key_len``: the shortest match drafted."""
+    The finished answers kept for later requests are bounded per tenant in bytes
+    (``answer_bytes``; each charged 4 bytes per token of its text and ``place_bytes``
+    per answer token; the earliest finished evicted first); at most ``max_tenants``
+    tenants (the least recently used one without running requests is dropped).
+    ``key_len``: the shortest match drafted."""
 
-    def __init__(self, cached_answers: int, max_tenants: int, key_len: int) -> None:
+    def __init__(self, answer_bytes: int, max_tenants: int, key_len: int, place_bytes: int) -> None:
         self.key_len = key_len
-        self.cached_answers = cached_answers
+        self.answer_bytes = answer_bytes
+        self.place_bytes = place_bytes
         self.max_tenants = max_tenants
         self._caches: OrderedDict[str | None, TextCache] = OrderedDict()
         self._running: dict[str, _Running] = {}
-        self._answers: OrderedDict[tuple[str | None, str], None] = OrderedDict()
-        """(tenant, request) of every answer kept, oldest first."""
+        self._finished: dict[str | None, OrderedDict[str, int]] = {}
+        """Tenant -> its finished answers kept, the earliest finished first, with their charges."""
 
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> None:
         """A new request: its prompt is the first text it matches in; its answer is
-        kept for later requests of its tenant (the oldest answer kept goes)."""
+        kept for its tenant's other requests, running and later."""
         cache = self._caches.get(tenant)
         if cache is None:
-            cache = self._caches[tenant] = TextCache(self.key_len, self.cached_answers > 0)
+            cache = self._caches[tenant] = TextCache(self.key_len, self.answer_bytes > 0)
+            self._finished[tenant] = OrderedDict()
         self._caches.move_to_end(tenant)
         if req_id in cache.cached_requests:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
         cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
-        self._running[req_id] = _Running(tenant, len(prompt))
-        if self.cached_answers:
-            self._answers[(tenant, req_id)] = None
-            while len(self._answers) > self.cached_answers:
-                self._evict(*next(iter(self._answers)))
+        self._running[req_id] = _Running(tenant, len(prompt), len(prompt))
         self._drop_idle_tenants()
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
@@ -266,30 +263,39 @@ class TenantTexts:
         return found.token_ids, (found.match_len if found.token_ids else 0)
 
     def stop(self, req_id: str) -> None:
-        """A request finished: its answer stays for later requests of its tenant."""
+        """A request finished: its answer stays for later requests of its tenant while
+        the tenant's finished answers fit in ``answer_bytes``."""
         running = self._running.pop(req_id, None)
         if running is None:
             return
         self._caches[running.tenant].stop_request(req_id)
+        if self.answer_bytes:
+            finished = self._finished[running.tenant]
+            finished[req_id] = 4 * running.fed + self.place_bytes * (running.fed - running.prompt_len)
+            while sum(finished.values()) > self.answer_bytes:
+                self._evict(running.tenant, next(iter(finished)))
         self._drop_idle_tenants()
 
     def clear(self) -> None:
         """Forget every finished answer (running requests keep their own text)."""
-        for tenant, req_id in list(self._answers):
-            if req_id not in self._running:
+        for tenant, finished in self._finished.items():
+            for req_id in list(finished):
                 self._evict(tenant, req_id)
 
     @property
     def num_tenants(self) -> int:
         return len(self._caches)
 
-    def num_cached_requests(self) -> int:
+    def num_kept_answers(self) -> int:
         """Answers kept, running requests' included."""
-        return len(self._answers)
+        return sum(len(cache.cached_requests) for cache in self._caches.values()) if self.answer_bytes else 0
+
+    def charged_bytes(self, tenant: str | None) -> int:
+        return sum(self._finished.get(tenant, {}).values())
 
     def _evict(self, tenant: str | None, req_id: str) -> None:
         self._caches[tenant].evict_cached_response(req_id)
-        self._answers.pop((tenant, req_id), None)
+        self._finished[tenant].pop(req_id, None)
 
     def _drop_idle_tenants(self) -> None:
         """Drop the least recently used tenants without running requests while there
@@ -304,6 +310,5 @@ class TenantTexts:
                 break
             if tenant not in busy:
                 del self._caches[tenant]
-                for answer in [a for a in self._answers if a[0] == tenant]:
-                    del self._answers[answer]
+                del self._finished[tenant]
                 excess -= 1

@@ -47,7 +47,7 @@ def test_text_ngram_len_sets_the_text_candidates_length():
         ("shared_pool_keys", 0, "['shared_pool_keys']=0 is out of range"),
         ("shared_pool_tenants", 0, "['shared_pool_tenants']=0 is out of range"),
         ("shared_pool_tenants", 1.5, "must be an integer"),
-        ("cached_answers", -1, "['cached_answers']=-1 is out of range"),
+        ("tenant_answers_mib", -1, "['tenant_answers_mib']=-1 is out of range"),
         ("pad_drafts", 1, "['pad_drafts']=1 must be true or false"),
         ("rank_candidates", "votes", "['rank_candidates'] was removed: candidates are ranked by votes"),
     ],
@@ -151,11 +151,12 @@ def test_every_user_key_is_documented_once():
 
 def test_removed_keys_say_why_they_went():
     for key, value, why in (("text_source", "suffix_tree", "deep matches of the text are always drafted first"),
-                            ("suffix_tree_cached_requests", 10, "cached_answers bounds the answers kept"),
+                            ("suffix_tree_cached_requests", 10, "tenant_answers_mib bounds the answers kept"),
+                            ("cached_answers", 10000, "bounded in bytes per tenant: tenant_answers_mib"),
                             ("runner_up_tokens", 4, "added no tau"),
                             ("rank_candidates", "recency", "ranked by votes"),
                             ("text_ngram_len", 0, "4 tokens")):
         with pytest.raises(FafoConfigError, match=rf"\['{key}'\] was removed: .*{why}"):
             FafoConfig.from_user_dict({"method": "fafo", key: value})
-    with pytest.raises(FafoConfigError, match=r"cached_answers.*=-1 is out of range"):
-        FafoConfig.from_user_dict({"method": "fafo", "cached_answers": -1})
+    with pytest.raises(FafoConfigError, match=r"tenant_answers_mib.*=-1 is out of range"):
+        FafoConfig.from_user_dict({"method": "fafo", "tenant_answers_mib": -1})

@@ -45,7 +45,7 @@ def scan(own: list[int], own_answer_start: int, answers: list[tuple[list[int], i
 @pytest.mark.parametrize("vocab", [2, 3, 6])
 def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None:
     rng = np.random.default_rng(vocab)
-    texts = TenantTexts(cached_answers=100, max_tenants=4, key_len=KEY_LEN)
+    texts = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
     answers = []
     for name in ("old-1", "old-2"):  # finished requests: their answers are kept, their prompts not
         whole = rng.integers(0, vocab, 150).astype(np.int32)
@@ -70,42 +70,81 @@ def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None
 
 
 def test_an_evicted_answer_leaves_no_key_behind() -> None:
-    for cached_answers in (100, 0):  # kept until cleared; forgotten when their request stops
-        texts = TenantTexts(cached_answers=cached_answers, max_tenants=4, key_len=KEY_LEN)
+    for answer_bytes in (1 << 20, 0):  # kept until cleared; forgotten when their request stops
+        texts = TenantTexts(answer_bytes=answer_bytes, max_tenants=4, key_len=KEY_LEN)
         whole = np.array([1, 2, 3, *range(10, 40)], dtype=np.int32)
         texts.start("a", None, whole[:3])
         texts.draft("a", whole, len(whole), room=0)
         texts.stop("a")
-        assert texts.positions.num_live_keys == (30 if cached_answers else 0)  # the answer's keys (own text's gone)
+        assert texts.positions.num_live_keys == (30 if answer_bytes else 0)  # the answer's keys (own text's gone)
         texts.clear()
-        assert texts.positions.num_live_keys == 0 and texts.num_cached_requests() == 0
+        assert texts.positions.num_live_keys == 0 and texts.num_kept_answers() == 0
 
 
-@pytest.mark.parametrize("cached_answers", [100, 0])
-def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(cached_answers: int) -> None:
-    texts = TenantTexts(cached_answers=cached_answers, max_tenants=4, key_len=KEY_LEN)
+@pytest.mark.parametrize("answer_bytes", [1 << 20, 0])
+def test_a_running_request_drafts_from_another_running_requests_answer_when_shared(answer_bytes: int) -> None:
+    texts = TenantTexts(answer_bytes=answer_bytes, max_tenants=4, key_len=KEY_LEN)
     texts.start("writer", None, np.array([1, 2]))
     texts.draft("writer", np.array([1, 2, *range(10, 30)]), 22, room=0)
     reader = np.array([7, 8, 10, 11, 12, 13])
     texts.start("reader", None, reader)
-    if cached_answers:
+    if answer_bytes:
         assert texts.draft("reader", reader, len(reader), room=4) == ([14, 15, 16, 17], 4)
     else:  # no sharing (share_pool false, or no answers kept)
         assert texts.draft("reader", reader, len(reader), room=4) == ([], 0)
 
 
-def test_a_running_request_whose_answer_was_evicted_still_matches_its_own_text() -> None:
-    """More requests run than answers are kept: the oldest running one's answer goes (the
-    Python deep matches before the native ones raised KeyError here)."""
-    texts = TenantTexts(cached_answers=1, max_tenants=4, key_len=KEY_LEN)
-    repeat = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int32)
-    texts.start("first", None, repeat[:2])
-    texts.start("second", None, np.array([1, 2]))  # "first"'s answer is evicted: one answer kept
-    assert texts.num_cached_requests() == 1
-    assert texts.draft("first", repeat, len(repeat), room=2) == ([8, 9], 3)
-    texts.stop("first")
-    texts.stop("second")
-    assert texts.num_cached_requests() == 1
+def test_running_answers_are_kept_uncharged_and_a_finished_one_over_the_bound_goes() -> None:
+    """The byte bound charges finished answers only: running requests share their answers
+    whatever their size; one that finishes larger than the bound is forgotten at once."""
+    texts = TenantTexts(answer_bytes=1, max_tenants=4, key_len=KEY_LEN)
+    texts.start("writer", None, np.array([1, 2]))
+    texts.draft("writer", np.array([1, 2, *range(10, 30)]), 22, room=0)
+    reader = np.array([7, 8, 10, 11, 12, 13])
+    texts.start("reader", None, reader)
+    assert texts.num_kept_answers() == 2
+    assert texts.draft("reader", reader, len(reader), room=4) == ([14, 15, 16, 17], 4)
+    texts.stop("writer")
+    assert texts.num_kept_answers() == 1 and texts.charged_bytes(None) == 0
+    assert texts.draft("reader", reader, len(reader), room=4) == ([], 0)  # the writer's answer is gone
+    texts.stop("reader")
+    assert texts.num_kept_answers() == 0 and texts.positions.num_live_keys == 0
+
+
+def test_kept_answers_hold_their_byte_bound_over_10000_requests() -> None:
+    """Requests of two tenants with unrepeated text come and go, several at once: each
+    tenant's charged bytes stay within the bound, its latest answers are the ones kept, and
+    the arrays stop growing once the answers kept are at the bound."""
+    rng = np.random.default_rng(0)
+    bound = 1 << 18
+    texts = TenantTexts(answer_bytes=bound, max_tenants=4, key_len=KEY_LEN)
+    running: list[tuple[str, np.ndarray]] = []
+    finished: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    sizes = {}
+    for serial in range(10_000):
+        name, tenant = f"r{serial}", "ab"[serial % 2]
+        whole = rng.integers(0, 50_000, 60).astype(np.int32)
+        texts.start(name, tenant, whole[:20])
+        texts.draft(name, whole, 40, room=0)
+        running.append((name, whole))
+        if len(running) == 4:  # the earliest of four running finishes
+            done, done_text = running.pop(0)
+            texts.draft(done, done_text, len(done_text), room=0)
+            texts.stop(done)
+            finished["ab"[int(done[1:]) % 2]].append(done_text)
+            assert texts.charged_bytes("a") <= bound and texts.charged_bytes("b") <= bound
+        if serial + 1 in (2_500, 10_000):
+            sizes[serial + 1] = texts.nbytes()
+    per_answer = texts.answer_charge(60, 40)
+    assert texts.num_kept_answers() - len(running) == 2 * (bound // per_answer)
+    assert texts.charged_bytes("a") == (bound // per_answer) * per_answer
+    assert sizes[10_000] == sizes[2_500], sizes
+    for answer, drafts in ((finished["a"][-1], True), (finished["a"][0], False)):  # the latest kept, the earliest not
+        question = np.concatenate([[1], answer[20:30]]).astype(np.int32)
+        texts.start("asks", "a", question)
+        assert texts.draft("asks", question, len(question), room=4) == ((answer[30:34].tolist(), 10) if drafts else
+                                                                         ([], 0))
+        texts.stop("asks")
 
 
 def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:

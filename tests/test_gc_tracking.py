@@ -62,7 +62,7 @@ def test_pools_keep_no_tracked_object_per_key():
 
 def test_text_cache_keeps_no_tracked_object_per_key():
     def build():
-        texts = TenantTexts(cached_answers=100, max_tenants=4, key_len=5)
+        texts = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=5)
         tokens = np.tile(np.asarray(text(1)[: TOKENS // 5], dtype=np.int32), 5)  # every key recurs
         texts.start("a", None, tokens[:100])
         for end in range(103, TOKENS, 3):  # "a" runs on: its own places and its answer's, every key

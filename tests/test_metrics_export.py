@@ -28,7 +28,7 @@ def _snapshot(**counters) -> dict:
     count_drafts(origins, np.array([2]), ORIGIN_CODE[Origin.PAD], metrics.proposed_counts, metrics.draft_counts)
     metrics.accepted_counts[ORIGIN_CODE[Origin.PROMPT]] += 1
     return {**metrics.as_dict(), "requests_tracked": 3, "requests_with_region": 2,
-            "shared_pool_tenants": 1, "shared_pool_keys": 40, "cached_answers": 5, "index_bytes": 4096,
+            "shared_pool_tenants": 1, "shared_pool_keys": 40, "kept_answers": 5, "index_bytes": 4096,
             "controller": {"controller": "fixed", "lanes": 16, "draft_len": 4}}
 
 
@@ -64,7 +64,7 @@ def test_collector_exports_the_snapshot_with_vllm_labels(tmp_path):
     assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "prompt"}) == 1
     assert value("vllm:fafo_accepted_tokens_total", {**labels, "origin": "lane"}) == 0
     assert value("vllm:fafo_shared_pool_keys", labels) == 40
-    assert value("vllm:fafo_cached_answers", labels) == 5
+    assert value("vllm:fafo_kept_answers", labels) == 5
     assert value("vllm:fafo_controller_lanes", {**labels, "controller": "fixed"}) == 16
     assert 0 <= value("vllm:fafo_snapshot_age_seconds", labels) < 60
     assert b"# HELP vllm:fafo_tail_tokens_total Fumble-lane tokens" in generate_latest(registry)

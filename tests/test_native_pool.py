@@ -187,8 +187,8 @@ class _ReferenceTenants:
             self.pools.popitem(last=False)
 
 
-@pytest.mark.parametrize("cached_answers", [0, 5, 100])
-def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers):
+@pytest.mark.parametrize("answer_bytes", [0, 40_000, 1 << 20])
+def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     """:meth:`DraftIndex.draft_batch` (one kernel call) over a batch of requests of two
     tenants, coming and going, step after step, against the Python proposer's filing,
     deep matches and chaining on the reference pools and texts."""
@@ -197,10 +197,12 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers)
     prior = rng.integers(-1, 12, size=(12, 2)).astype(np.int32)
     prior[:, 0] = np.abs(prior[:, 0])
     prior[rng.random(12) < 0.3] = -1  # tokens the table has nothing for
-    config = FafoConfig(shared_pool_keys=60, cached_answers=cached_answers, prior_table="off")
+    config = FafoConfig(shared_pool_keys=60, tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
     index = DraftIndex(config, prior=PriorTable(prior))
+    index.texts.answer_bytes = answer_bytes  # 40,000: about three answers of a tenant
     shared_refs = _ReferenceTenants(setting, max_keys=60, max_tenants=config.shared_pool_tenants)
-    ref_texts = reference_deep_match.TenantTexts(cached_answers, config.shared_pool_tenants, config.max_key_len + 1)
+    ref_texts = reference_deep_match.TenantTexts(answer_bytes, config.shared_pool_tenants, config.max_key_len + 1,
+                                                 index.texts.place_bytes)
     batch, length, room, ngram_len = 4, 160, 6, config.ngram_len
     # 12 token values, texts that repeat themselves: deep matches, votes and evictions all happen
     motifs = rng.integers(0, 12, size=(6, 30))
@@ -218,7 +220,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers)
             ref_texts.start(req["id"], tenant, text[:20])
             live.append(req)
             serial += 1
-        for req in live:  # in step: requests finish in the order they started (the reference's bound needs it)
+        for req in live:  # in step: requests finish in the order they started
             req["n"] = min(length - room, req["n"] + 3)
         want = []
         for req in live:
@@ -244,7 +246,11 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(cached_answers)
             ref_texts.stop(req["id"])
     drafted = {origin.value: int(seen[code]) for code, origin in enumerate(native.ORIGINS)}
     assert all(drafted[origin] > 0 for origin in ("prompt", "output", "shared", "deep_match", "prior")), drafted
-    assert index.texts.num_cached_requests() == min(cached_answers, serial)
+    kept = index.texts.num_kept_answers()
+    assert kept == ref_texts.num_kept_answers()
+    assert kept == {0: 0, 40_000: 6 + len(live), 1 << 20: serial}[answer_bytes], kept
+    for tenant in "ab":
+        assert index.texts.charged_bytes(tenant) == ref_texts.charged_bytes(tenant)
 
 
 def index_for(prior=None, **settings) -> DraftIndex:

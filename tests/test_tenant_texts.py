@@ -29,7 +29,7 @@ def draft_after(trees: TenantTexts, req_id: str, tenant: str | None, history: li
 
 
 def test_drafts_the_prompts_continuation_after_a_deep_enough_match():
-    trees = TenantTexts(cached_answers=0, max_tenants=4, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=0, max_tenants=4, key_len=KEY_LEN)
     history = np.array([1, 2, 3, 4, 5, 6, 7, 9, 9, 3, 4, 5, 6, 7])  # the prompt, then "3 4 5 6 7" decoded again
     trees.start("r", None, history[:9])
     draft, match_len = trees.draft("r", history, len(history), room=8)
@@ -42,7 +42,7 @@ def test_drafts_the_prompts_continuation_after_a_deep_enough_match():
 
 
 def test_a_finished_answer_drafts_for_its_tenant_only():
-    trees = TenantTexts(cached_answers=100, max_tenants=4, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
     decode(trees, "first", "salt-a", PROMPT, ANSWER)
     trees.stop("first")
     question = [1, 2, *ANSWER[:6]]  # another prompt, then the first answer's opening
@@ -54,48 +54,48 @@ def test_a_finished_answer_drafts_for_its_tenant_only():
 
 
 def test_no_cached_requests_means_no_sharing():
-    trees = TenantTexts(cached_answers=0, max_tenants=4, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=0, max_tenants=4, key_len=KEY_LEN)
     decode(trees, "first", None, PROMPT, ANSWER)
     trees.stop("first")
     assert draft_after(trees, "second", None, [1, 2, *ANSWER[:6]]) == ([], 0)
 
 
-def test_answers_are_bounded_over_all_tenants_oldest_evicted_first():
-    trees = TenantTexts(cached_answers=2, max_tenants=8, key_len=KEY_LEN)
-    answers = {name: [base + i for i in range(10)] for name, base in (("a", 100), ("b", 200), ("c", 300))}
-    for name, tenant in (("a", "x"), ("b", "y"), ("c", "x")):
+def test_answers_are_bounded_per_tenant_in_bytes_earliest_finished_evicted_first():
+    charge = TenantTexts(answer_bytes=1, max_tenants=8, key_len=KEY_LEN).answer_charge(len(PROMPT) + 10, 10)
+    trees = TenantTexts(answer_bytes=2 * charge, max_tenants=8, key_len=KEY_LEN)
+    answers = {name: [base + i for i in range(10)] for name, base in (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
+    for name, tenant in (("a", "x"), ("b", "y"), ("c", "x"), ("d", "x")):
         decode(trees, name, tenant, PROMPT, answers[name])
         trees.stop(name)
-    assert trees.num_cached_requests() == 2  # b's and c's: a's, the oldest, went
-    # A new request's own answer takes a place too: b's goes now, c's stays.
+    assert trees.num_kept_answers() == 3  # b's (tenant y's only), c's and d's: a's, x's earliest, went
+    assert trees.charged_bytes("x") == 2 * charge and trees.charged_bytes("y") == charge
     assert draft_after(trees, "asks c", "x", [1, 2, *answers["c"][:6]])[0] == answers["c"][6:]
     assert draft_after(trees, "asks a", "x", [1, 2, *answers["a"][:6]])[0] == []
-    assert draft_after(trees, "asks b", "y", [1, 2, *answers["b"][:6]])[0] == []
-    assert trees.num_cached_requests() == 2
+    assert draft_after(trees, "asks b", "y", [1, 2, *answers["b"][:6]])[0] == answers["b"][6:]
 
 
 def test_clear_forgets_finished_answers_but_not_a_running_requests_text():
-    trees = TenantTexts(cached_answers=100, max_tenants=4, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
     decode(trees, "done", None, PROMPT, ANSWER)
     trees.stop("done")
     history = np.array([40, 41, 42, 43, 44, 45, 46, 40, 41, 42, 43, 44])
     decode(trees, "running", None, history, [])
     trees.clear()
-    assert trees.num_cached_requests() == 1  # the running request's own response slot
+    assert trees.num_kept_answers() == 1  # the running request's own response slot
     assert trees.draft("running", history, len(history), room=8)[0] == [45, 46, 40, 41, 42, 43, 44]
     assert draft_after(trees, "later", None, [1, 2, *ANSWER[:6]]) == ([], 0)
 
 
 def test_a_request_id_used_again_does_not_draft_its_old_answer():
-    trees = TenantTexts(cached_answers=100, max_tenants=4, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
     decode(trees, "r", None, PROMPT, ANSWER)
     trees.stop("r")
     trees.start("r", None, np.array([1, 2]))
-    assert trees.num_cached_requests() == 1  # the old answer's slot went with it
+    assert trees.num_kept_answers() == 1  # the old answer's slot went with it
 
 
 def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
-    trees = TenantTexts(cached_answers=100, max_tenants=2, key_len=KEY_LEN)
+    trees = TenantTexts(answer_bytes=1 << 20, max_tenants=2, key_len=KEY_LEN)
     trees.start("running", "a", PROMPT)
     for tenant in ("b", "c", "d"):
         decode(trees, f"done-{tenant}", tenant, PROMPT, ANSWER)

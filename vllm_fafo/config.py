@@ -89,10 +89,13 @@ class FafoConfig:
     them hold more."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
-    cached_answers: int = 10000
-    """Answers (outputs) of earlier requests kept over all tenants for deep matches
-    (vllm_fafo.drafting.deep_match; the oldest is dropped; vLLM ``suffix``'s default); 0, or
-    ``share_pool`` false: each request matches in its own text only."""
+    tenant_answers_mib: int = 16
+    """MiB of earlier requests' answers (outputs) kept per tenant for deep matches
+    (vllm_fafo.drafting.deep_match; the earliest finished is dropped): an answer is charged
+    its text's tokens (4 bytes each) and about 0.1 kB per answer token for its places
+    (``TenantTexts.answer_charge``); 16 MiB holds ~680 answers of 250 tokens after 100-token
+    prompts. At most ``shared_pool_tenants`` tenants are kept. 0, or ``share_pool`` false: each
+    request matches in its own text only."""
     pad_drafts: bool = False
     """Give every decoding request of a step the same number of draft tokens, its found
     draft filled up with filler tokens (the draft's last token repeated, the text's where
@@ -228,7 +231,7 @@ class FafoConfig:
         check_bool("seed_from_output", self.seed_from_output)
         check_int("text_ngram_len", self.text_ngram_len, 0, 64)  # set by the modes
         check_bool("stagger_lanes", self.stagger_lanes)
-        check_int("cached_answers", self.cached_answers, 0, 0x7FFFFFFF)
+        check_int("tenant_answers_mib", self.tenant_answers_mib, 0, 1 << 20)
         check_bool("pad_drafts", self.pad_drafts)
         check_prior_table(self.prior_table)
         if self.pad_drafts and self.num_candidates != 1:
@@ -364,14 +367,15 @@ USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
     "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
-    "cached_answers", "pad_drafts", "prior_table",
+    "tenant_answers_mib", "pad_drafts", "prior_table",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""
 
 REMOVED_KEYS = {
     "text_source": "deep matches of the text are always drafted first (their alternatives, the pool "
                    "alone and Arctic Inference's suffix trees, had less tau on every replayed set)",
-    "suffix_tree_cached_requests": "the suffix trees are gone; cached_answers bounds the answers kept",
+    "suffix_tree_cached_requests": "the suffix trees are gone; tenant_answers_mib bounds the answers kept",
+    "cached_answers": "the answers kept are bounded in bytes per tenant: tenant_answers_mib",
     "runner_up_tokens": "the target's runner-up tokens added no tau where the prior table drafts",
     "rank_candidates": "candidates are ranked by votes (recency had less tau on two of three sets)",
     "text_ngram_len": "text n-grams are 4 tokens (whole drafts had less tau on every replayed set)",

@@ -454,7 +454,7 @@ class FafoProposer:
             "requests_with_region": 0 if self.lanes is None else self.lanes.num_regions_in_use,
             "shared_pool_tenants": 0 if self.shared is None else self.shared.num_tenants,
             "shared_pool_keys": 0 if self.shared is None else self.shared.num_keys(),
-            "cached_answers": 0 if self.texts is None else self.texts.num_cached_requests(),
+            "kept_answers": 0 if self.texts is None else self.texts.num_kept_answers(),
             "index_bytes": self.index.nbytes(),
             "controller": self.controller.summary(),
         }

@@ -42,12 +42,20 @@ MAX_POSITIONS = 8
 default ``pool_capacity``)."""
 
 
+TOKEN_BYTES = 4
+"""A text's token in the store (int32)."""
+
+
 @dataclass
 class _Tenant:
     answers: int
     """The owner id its answers' places are filed under."""
     kept: dict[str, int] = field(default_factory=dict)
     """Request id -> text id of each answer kept (running requests' included)."""
+    finished: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    """Request id -> bytes charged, of each finished answer kept, the earliest finished first."""
+    charged: int = 0
+    """Bytes of its finished answers kept."""
 
 
 @dataclass
@@ -62,19 +70,22 @@ class TenantTexts:
     """The texts deep matches draft from, one set of answers per tenant (vLLM's
     ``cache_salt``); requests start, grow, draft and stop here.
 
-    The answers kept for later requests are bounded over all tenants together
-    (``cached_answers``, the oldest answer evicted first; 0: a request matches in
-    its own text only), not per tenant; at most ``max_tenants`` tenants (the least
-    recently used one without running requests is dropped). ``key_len``: the
-    shortest match drafted."""
+    The finished answers kept for later requests are bounded per tenant in bytes
+    (``answer_bytes``, the earliest finished evicted first; 0: a request matches in
+    its own text only): a finished answer is charged its text's tokens and a filed
+    place per answer token (:meth:`answer_charge`); running requests' answers are kept
+    uncharged until they stop. At most ``max_tenants`` tenants (the least recently used
+    one without running requests is dropped). ``key_len``: the shortest match drafted."""
 
-    def __init__(self, cached_answers: int, max_tenants: int, key_len: int) -> None:
+    def __init__(self, answer_bytes: int, max_tenants: int, key_len: int) -> None:
         self.key_len = key_len
-        self.cached_answers = cached_answers
+        self.answer_bytes = answer_bytes
         self.max_tenants = max_tenants
         self.positions = PoolArena(key_len, MAX_POSITIONS, min_key_len=key_len, touch_on_lookup=False,
                                    rank="recency", candidate_len=2)
         """Where each key ended: own texts' positions, answers' (text id, position)."""
+        self.place_bytes = self.positions.bytes_per_key(candidates=1)
+        """Bytes an answer token's place takes where its key is new (an upper bound: keys repeat)."""
         self.store = np.zeros(1 << 14, dtype=np.int32)
         self._store_end = 0
         self.starts = np.zeros(64, dtype=np.int64)
@@ -88,8 +99,6 @@ class TenantTexts:
         self._free_texts = list(range(63, -1, -1))
         self._tenants: OrderedDict[str | None, _Tenant] = OrderedDict()
         self._running: dict[str, _Running] = {}
-        self._answers: OrderedDict[tuple[str | None, str], None] = OrderedDict()
-        """(tenant, request) of every answer kept, oldest first (``cached_answers`` > 0)."""
 
     # texts ----------------------------------------------------------------------------
     def _new_text(self, tokens: np.ndarray) -> int:
@@ -137,7 +146,7 @@ class TenantTexts:
     # requests -------------------------------------------------------------------------
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:
         """A new request: its prompt is the first text it matches in; its answer is
-        kept for later requests of its tenant (the oldest answer kept goes). Returns its
+        kept for its tenant's other requests, running and later. Returns its
         text id and the owner of the places in its own text, as the step's kernel takes
         them (:meth:`ids`)."""
         cache = self._tenants.get(tenant)
@@ -154,11 +163,8 @@ class TenantTexts:
                                own, -1, text, np.zeros(2, dtype=np.int32))
         cache.kept[req_id] = text
         self._running[req_id] = _Running(tenant, text, own)
-        if self.cached_answers:
+        if self.answer_bytes:
             self.answers_of[text] = cache.answers
-            self._answers[(tenant, req_id)] = None
-            while len(self._answers) > self.cached_answers:
-                self._evict(*next(iter(self._answers)))
         self._drop_idle_tenants()
         return text, own
 
@@ -206,23 +212,36 @@ class TenantTexts:
         self.lengths[text] = num_tokens
 
     def stop(self, req_id: str) -> None:
-        """A request finished: its answer stays for later requests of its tenant."""
+        """A request finished: its answer stays for later requests of its tenant, charged
+        to the tenant's bytes (the earliest finished answers go while they exceed the bound)."""
         running = self._running.pop(req_id, None)
         if running is None:
             return
         self.positions.release(running.own)
-        if self.answers_of[running.text] < 0:  # its answer is not kept for later requests
-            cache = self._tenants[running.tenant]
-            if cache.kept.get(req_id) == running.text:
+        cache = self._tenants[running.tenant]
+        text = running.text
+        if self.answers_of[text] < 0:  # its answer is not kept for later requests
+            if cache.kept.get(req_id) == text:
                 self._evict(running.tenant, req_id)
             else:
-                self._free_text(running.text)
+                self._free_text(text)
+        else:
+            charge = self.answer_charge(int(self.lengths[text]), int(self.lengths[text] - self._answer_starts[text]))
+            cache.finished[req_id] = charge
+            cache.charged += charge
+            while cache.charged > self.answer_bytes:
+                self._evict(running.tenant, next(iter(cache.finished)))
         self._drop_idle_tenants()
+
+    def answer_charge(self, text_len: int, answer_len: int) -> int:
+        """Bytes a finished answer is charged: its text's tokens (the prompt's too, which its
+        matches read back) and a place per answer token."""
+        return TOKEN_BYTES * text_len + self.place_bytes * answer_len
 
     def clear(self) -> None:
         """Forget every finished answer (running requests keep their own text)."""
-        for tenant, req_id in list(self._answers):
-            if req_id not in self._running:
+        for tenant, cache in list(self._tenants.items()):
+            for req_id in list(cache.finished):
                 self._evict(tenant, req_id)
 
     def nbytes(self) -> int:
@@ -234,16 +253,22 @@ class TenantTexts:
     def num_tenants(self) -> int:
         return len(self._tenants)
 
-    def num_cached_requests(self) -> int:
+    def num_kept_answers(self) -> int:
         """Answers kept, running requests' included."""
-        return len(self._answers)
+        running = sum(int(self.answers_of[running.text] >= 0) for running in self._running.values())
+        return running + sum(len(cache.finished) for cache in self._tenants.values())
+
+    def charged_bytes(self, tenant: str | None) -> int:
+        """Bytes charged for a tenant's finished answers kept (0 for an unknown tenant)."""
+        cache = self._tenants.get(tenant)
+        return 0 if cache is None else cache.charged
 
     def _evict(self, tenant: str | None, req_id: str) -> None:
         """Forget an answer (its places); its text goes unless its request still runs."""
         cache = self._tenants[tenant]
         text = cache.kept.pop(req_id)
-        self._answers.pop((tenant, req_id), None)
-        if self.cached_answers:
+        cache.charged -= cache.finished.pop(req_id, 0)
+        if self.answers_of[text] >= 0:
             text_kernels.forget_answer(self.positions.state, self.store, self.starts[text],
                                        self._answer_starts[text], self.lengths[text], self.key_len, cache.answers,
                                        text)
@@ -266,8 +291,7 @@ class TenantTexts:
                 break
             if tenant not in busy:
                 cache = self._tenants.pop(tenant)
-                for req_id, text in cache.kept.items():
-                    self._answers.pop((tenant, req_id), None)
+                for text in cache.kept.values():
                     self._free_text(text)
                 self.positions.release(cache.answers)
                 excess -= 1

@@ -47,7 +47,7 @@ def tenant_texts(config: FafoConfig) -> TenantTexts | None:
         return None
     # deep matches no deeper than the pool's keys are the pool's: its candidates (lanes' n-grams
     # included) did as well there in replay (benchmarks/replay_pool.py)
-    return TenantTexts(config.cached_answers if config.share_pool else 0, config.shared_pool_tenants,
+    return TenantTexts(config.tenant_answers_mib << 20 if config.share_pool else 0, config.shared_pool_tenants,
                        config.max_key_len + 1)
 
 

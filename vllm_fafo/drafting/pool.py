@@ -209,11 +209,11 @@ class PoolArena:
         """Bytes of all the arena's arrays (allocated, used or not)."""
         return int(sum(a.nbytes for a in self.state) + self.scratch.nbytes)
 
-    def bytes_per_key(self) -> int:
-        """Bytes one key slot and its candidates take (at full capacity)."""
+    def bytes_per_key(self, candidates: int | None = None) -> int:
+        """Bytes one key slot and its candidates take (default: at full capacity)."""
         slot = self._slots.itemsize * self._slots.shape[1] + 2 * self._table.itemsize
         entry = self._entries.itemsize * self._entries.shape[1] + self._stamps.itemsize
-        return int(slot + self.capacity * entry)
+        return int(slot + (self.capacity if candidates is None else candidates) * entry)
 
     def candidate(self, entry: int) -> Candidate:
         row = self._entries[entry]

@@ -112,7 +112,7 @@ def collect_metrics(llm: Any) -> dict[str, Any]:
     gauges (``requests_tracked``: requests the proposer holds state for;
     ``requests_with_region``: those holding a compressed-region row;
     ``shared_pool_tenants`` and ``shared_pool_keys``: what the shared pool holds;
-    ``cached_answers``: the answers deep matches are drafted from; ``index_bytes``:
+    ``kept_answers``: the answers deep matches are drafted from; ``index_bytes``:
     the bytes the draft index's arrays take, allocated) and the goodput
     controller's latest choices and cost curve under ``"controller"``."""
     results = llm.collective_rpc(worker_metrics)

@@ -70,7 +70,7 @@ GAUGES: dict[str, str] = {
     "requests_with_region": "Requests holding a compressed-region row (fumble lanes).",
     "shared_pool_tenants": "Tenants (cache_salt values) with a shared pool.",
     "shared_pool_keys": "Keys held by the shared pools of all tenants.",
-    "cached_answers": "Answers (finished and running) of all tenants that deep matches are drafted from.",
+    "kept_answers": "Answers (finished and running) of all tenants that deep matches are drafted from.",
     "index_bytes": "Bytes of the draft index's arrays (pools, shared pools, deep matches' texts and places), "
                    "allocated.",
 }

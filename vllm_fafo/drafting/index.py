@@ -138,14 +138,13 @@ class DraftIndex:
                 t = self.texts
                 texts = (t.positions.state, t.store, t.starts, t.lengths, t.capacities, t.answers_of, t.key_len, True)
             tokens, origins, lengths, key_lens, context = self._outputs
-            status = step_kernel.file_and_draft(
+            status, num_keys = step_kernel.file_and_draft(
                 self.arena.state, self._frozen_state, frozen_owner, self._prior, self._prior_lens, texts, history,
                 rows, num_tokens, slots, prompt_lens, next_anchors, owners, max_draft, max_len, config.ngram_len,
                 config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
             if status == step_kernel.ROOM_OK:
                 break
-            self._make_room(status, owners[slots], num_tokens, prompt_lens[slots], next_anchors[slots],
-                            np.minimum(max_draft, max_len - num_tokens))
+            self._make_room(status, num_keys, owners[slots], num_tokens, np.minimum(max_draft, max_len - num_tokens))
         else:
             raise RuntimeError(f"DraftIndex.draft_batch: the step's kernel still lacks room ({status}) after growing")
         if self.shared is not None:
@@ -153,20 +152,16 @@ class DraftIndex:
         count = len(rows)
         return BatchDrafts(tokens[:count], origins[:count], lengths[:count], key_lens[:count])
 
-    def _make_room(self, status: int, owners: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray,
-                   next_anchors: np.ndarray, rooms: np.ndarray) -> None:
+    def _make_room(self, status: int, num_keys: int, owners: np.ndarray, num_tokens: np.ndarray,
+                   rooms: np.ndarray) -> None:
         """Grow what the step's kernel found short (``status``, :data:`step_kernel.ROOM_OK`
-        and after), for the requests of these numbers (one row each)."""
-        config = self.config
+        and after; ``num_keys``: the keys the step files), for the requests of these numbers
+        (one row each)."""
         if status == step_kernel.ROOM_OUTPUTS:
             self._outputs = self._new_outputs(max(len(num_tokens), 2 * len(self._outputs[2])),
                                               max(int(rooms.max(initial=0)), self._outputs[0].shape[1]))
         elif status == step_kernel.ROOM_POOLS:
-            stops = num_tokens - config.ngram_len
-            if not config.seed_from_output:
-                stops = np.minimum(stops, prompt_lens - config.ngram_len)
-            anchors = np.maximum(stops - next_anchors, 0) * np.where(owners[:, 1] >= 0, 2, 1)
-            self.arena.reserve(int(anchors.sum()) * (config.max_key_len - config.min_key_len + 1), config.ngram_len)
+            self.arena.reserve(int(num_keys), self.config.ngram_len)
         elif status == step_kernel.ROOM_TEXTS:
             self.texts.make_room(owners[:, 2].copy(), num_tokens)
         else:

@@ -69,7 +69,7 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
     the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
     growth and their places, the outputs' rows and width; and the keys it files (0 where
-    it stopped before counting them all; only :data:`ROOM_OK`'s count is used)."""
+    it stopped before counting them all; :data:`ROOM_OK`'s and :data:`ROOM_POOLS`' are whole)."""
     count = len(num_tokens)
     if count > drafts.shape[0]:
         return ROOM_OUTPUTS, 0
@@ -151,7 +151,8 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     ``draft_lens``, ``key_lens`` (the deep match's depth, else the first piece's key, 0
     for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
     ``MATCH_DEPTH`` + twice the keys and the outputs' width. Returns :data:`ROOM_OK`,
-    or, having changed nothing, what lacks room (:func:`_room`)."""
+    or, having changed nothing, what lacks room (:func:`_room`), with the keys the step
+    files (the arena's room to make for :data:`ROOM_POOLS`)."""
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
     pos, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
@@ -159,7 +160,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                                   next_anchors, max_draft, max_len, ngram_len, seed_from_output, drafts, context,
                                   max_key)
     if room_status != ROOM_OK:
-        return room_status
+        return room_status, num_keys
     place = np.zeros(2, dtype=np.int32)
     order = np.zeros(len(scratch), dtype=np.int64)
     if _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
@@ -265,4 +266,4 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                 n_ctx = max_key
         draft_lens[i] = length
         key_lens[i] = first_key
-    return ROOM_OK
+    return ROOM_OK, num_keys

@@ -15,6 +15,11 @@ microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
+``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's kernel, the
+controller's learning and choice, the judge, the request table) and prints, after the
+method's rows, their medians per step and what ``propose`` spends outside them (its own
+Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists).
+
 Run it alone: two CPU engines at once slow each other down.
 """
 
@@ -31,6 +36,18 @@ TIMED = ("_update_states", "propose_draft_token_ids")
 HOOKS = ("plan_forward", "attention_plan", "branch_plan", "tail_inputs", "branch_hidden_states",
          "take_branch_logits", "accept_branches")
 """The FAFO proposer's hooks that the runner patches call outside :data:`TIMED`."""
+PARTS = (
+    ("vllm_fafo.proposer", "FafoProposer", "propose"),
+    ("vllm_fafo.drafting.index", "DraftIndex", "draft_batch"),
+    ("vllm_fafo.request_table", "RequestTable", "settle"),
+    ("vllm_fafo.request_table", "RequestTable", "keep"),
+    ("vllm_fafo.control.draft_judge", "DraftJudge", "judge"),
+    ("vllm_fafo.control.draft_judge", "DraftJudge", "add"),
+    ("vllm_fafo.proposer", "FafoProposer", "_learn"),
+    ("vllm_fafo.control.goodput", "GoodputController", "choose_draft_lens"),
+    ("vllm_fafo.control.goodput", "GoodputController", "choose_tier"),
+)
+"""``--parts``: (module, class, method) of what FAFO's ``propose`` calls, and itself (first)."""
 
 
 def timed_runner_methods(times: dict[str, list[float]]) -> None:
@@ -81,12 +98,54 @@ def timed_proposer_hooks(times: dict[str, list[float]]) -> None:
     GPUModelRunner.propose_draft_token_ids = step_end
 
 
+def timed_parts(times: dict[str, list[float]]) -> None:
+    """Wrap :data:`PARTS`, appending each call's seconds under ``Class.method``."""
+    import importlib
+
+    for module, cls_name, name in PARTS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        original = getattr(cls, name)
+        label = f"{cls_name}.{name}"
+        times[label] = []
+
+        def part(self, *args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                times[_label].append(time.perf_counter() - start)
+
+        setattr(cls, name, part)
+
+
+def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[str]:
+    """Markdown rows: each part's median us per call, and the median of what ``propose``
+    spends outside the parts called once per ``propose`` (all of them, where nothing changed)."""
+    (_, propose), *others = parts.items()
+    steps = len(propose)
+    rows, inside = [], [0.0] * steps
+    for name, seconds in others:
+        if not seconds:
+            continue
+        once = len(seconds) == steps
+        rows.append(f"| {label} | {batch} | {name}{'' if once else f' ({len(seconds)} calls in {steps} steps)'} "
+                    f"| {1e6 * statistics.median(seconds):.0f} |")
+        if once:
+            inside = [a + b for a, b in zip(inside, seconds)]
+    if steps:
+        rows.append(f"| {label} | {batch} | FafoProposer.propose | {1e6 * statistics.median(propose):.0f} |")
+        rows.append(f"| {label} | {batch} | propose outside the parts above | "
+                    f"{1e6 * statistics.median(p - i for p, i in zip(propose, inside)):.0f} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="fafo,ngram,suffix", help="comma-separated, as benchmarks/matrix.py's")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dataset", default="mtbench")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--parts", action="store_true", help="also time the parts of FAFO's step (PARTS)")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
     args = parser.parse_args()
     if args.method is None:
@@ -110,6 +169,10 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in (*TIMED, "hooks")}
     timed_runner_methods(times)
     timed_proposer_hooks(times)
+    parts: dict[str, list[float]] = {}
+    if args.parts and spec and spec.get("method") in ("fafo", "lookahead", "cacheback"):
+        timed_parts(parts)
+    part_rows: list[str] = []
     if spec and spec.get("method") == "fafo":
         smollm2_prior_table()
     llm = LLM(model=str(smollm2_dir()), dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
@@ -119,8 +182,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for name in times:
-            times[name].clear()
+        for name in (*times, *parts):
+            (times if name in times else parts)[name].clear()
         llm.generate(prompts[:batch], params, use_tqdm=False)
         steps = min(len(times[name]) for name in times)
         per_step = [sum(times[name][i] for name in TIMED) for i in range(steps)]
@@ -128,6 +191,9 @@ def main() -> None:
         print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} "
               f"| {1e6 * statistics.median(hooks):.0f} "
               f"| {1e6 * statistics.median(a + b for a, b in zip(per_step, hooks)):.0f} |", flush=True)
+        part_rows += parts_rows(label, batch, parts) if parts else []
+    if part_rows:
+        print("\n| method | batch | part | median us per call |\n|---|---|---|---|", *part_rows, sep="\n", flush=True)
 
 
 if __name__ == "__main__":

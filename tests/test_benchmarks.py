@@ -466,3 +466,21 @@ def test_soak_table_gives_each_config_s_median_growth_over_plain_vllm_s():
     assert '| `{"method":"fafo"}` | 1 | 10 / 2 / 0 | 50.0 | 3000.0 | 300.0 | vllm +1, VLLM::Worker +299 | 10.0 | 11.4 |' \
         in table
     assert compare(reports[1::2])[1] == {}  # no plain run: nothing to compare
+
+
+def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
+    """``host_time.py --parts``: each part's median per call, and propose's own time per step
+    (propose less the parts called once per step; a part called otherwise is not subtracted)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # host_time imports matrix, as a script does
+    host_time = benchmark_script("host_time")
+    parts = {"FafoProposer.propose": [10e-6, 20e-6, 30e-6], "DraftIndex.draft_batch": [4e-6, 5e-6, 6e-6],
+             "RequestTable.settle": [1e-6, 1e-6, 1e-6], "GoodputController.choose_tier": [],
+             "DraftJudge.add": [1e-6, 9e-6]}
+    rows = host_time.parts_rows("fafo", 8, parts)
+    assert rows == [
+        "| fafo | 8 | DraftIndex.draft_batch | 5 |",
+        "| fafo | 8 | RequestTable.settle | 1 |",
+        "| fafo | 8 | DraftJudge.add (2 calls in 3 steps) | 5 |",
+        "| fafo | 8 | FafoProposer.propose | 20 |",
+        "| fafo | 8 | propose outside the parts above | 14 |",
+    ]

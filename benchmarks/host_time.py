@@ -17,8 +17,10 @@ microseconds, and the steps' count.
 
 ``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's kernel, the
 controller's learning and choice, the judge, the request table) and prints, after the
-method's rows, their medians per step and what ``propose`` spends outside them (its own
+method's rows, their medians per call and what ``propose`` spends outside them (its own
 Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists).
+vLLM's own methods have no parts; their timers add to the step, so compare totals
+without ``--parts``.
 
 Run it alone: two CPU engines at once slow each other down.
 """
@@ -145,7 +147,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dataset", default="mtbench")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--parts", action="store_true", help="also time the parts of FAFO's step (PARTS)")
+    parser.add_argument("--parts", action="store_true", help="also time the parts of the plugin's step (PARTS; its methods only)")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
     args = parser.parse_args()
     if args.method is None:

@@ -52,21 +52,25 @@ PARTS = (
 """``--parts``: (module, class, method) of what FAFO's ``propose`` calls, and itself (first)."""
 
 
+def timed(original, seconds: list[float]):
+    """``original`` (a method) wrapped to append each call's seconds to ``seconds``."""
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper
+
+
 def timed_runner_methods(times: dict[str, list[float]]) -> None:
     """Wrap the runner methods in :data:`TIMED`, appending each call's seconds."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     for name in TIMED:
-        original = getattr(GPUModelRunner, name)
-
-        def wrapper(self, *args, _original=original, _name=name, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(self, *args, **kwargs)
-            finally:
-                times[_name].append(time.perf_counter() - start)
-
-        setattr(GPUModelRunner, name, wrapper)
+        setattr(GPUModelRunner, name, timed(getattr(GPUModelRunner, name), times[name]))
 
 
 def timed_proposer_hooks(times: dict[str, list[float]]) -> None:
@@ -106,18 +110,8 @@ def timed_parts(times: dict[str, list[float]]) -> None:
 
     for module, cls_name, name in PARTS:
         cls = getattr(importlib.import_module(module), cls_name)
-        original = getattr(cls, name)
-        label = f"{cls_name}.{name}"
-        times[label] = []
-
-        def part(self, *args, _original=original, _label=label, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(self, *args, **kwargs)
-            finally:
-                times[_label].append(time.perf_counter() - start)
-
-        setattr(cls, name, part)
+        times[f"{cls_name}.{name}"] = []
+        setattr(cls, name, timed(getattr(cls, name), times[f"{cls_name}.{name}"]))
 
 
 def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[str]:
@@ -184,8 +178,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for name in (*times, *parts):
-            (times if name in times else parts)[name].clear()
+        for seconds in (*times.values(), *parts.values()):
+            seconds.clear()
         llm.generate(prompts[:batch], params, use_tqdm=False)
         steps = min(len(times[name]) for name in times)
         per_step = [sum(times[name][i] for name in TIMED) for i in range(steps)]

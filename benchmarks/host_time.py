@@ -15,8 +15,9 @@ microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
-``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's kernel, the
-controller's learning and choice, the judge, the request table) and prints, after the
+``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's one kernel
+call with its arguments, the controller's bookkeeping after it, the metrics'
+publishing) and prints, after the
 method's rows, their medians per call and what ``propose`` spends outside them (its own
 Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists).
 vLLM's own methods have no parts; their timers add to the step, so compare totals
@@ -40,13 +41,9 @@ HOOKS = ("plan_forward", "attention_plan", "branch_plan", "tail_inputs", "branch
 """The FAFO proposer's hooks that the runner patches call outside :data:`TIMED`."""
 PARTS = (
     ("vllm_fafo.proposer", "FafoProposer", "propose"),
-    ("vllm_fafo.drafting.index", "DraftIndex", "draft_batch"),
-    ("vllm_fafo.request_table", "RequestTable", "settle"),
-    ("vllm_fafo.request_table", "RequestTable", "keep"),
-    ("vllm_fafo.control.draft_judge", "DraftJudge", "judge"),
-    ("vllm_fafo.control.draft_judge", "DraftJudge", "add"),
-    ("vllm_fafo.proposer", "FafoProposer", "_learn"),
-    ("vllm_fafo.control.goodput", "GoodputController", "choose_draft_lens"),
+    ("vllm_fafo.proposer", "FafoProposer", "_run_step_kernel"),
+    ("vllm_fafo.control.goodput", "GoodputController", "finish_step"),
+    ("vllm_fafo.proposer", "FafoProposer", "_publish_and_log"),
     ("vllm_fafo.control.goodput", "GoodputController", "choose_tier"),
 )
 """``--parts``: (module, class, method) of what FAFO's ``propose`` calls, and itself (first)."""

@@ -32,7 +32,6 @@ already keeps, never from a scan of the whole sequence.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,12 +41,12 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 
+from vllm_fafo import propose_kernel
 from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
-from vllm_fafo.control import draft_judge
 from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.control.draft_judge import DraftJudge
-from vllm_fafo.control.goodput import BranchSet, StepOutcome, draft_tiers, make_controller
+from vllm_fafo.control.goodput import BranchSet, draft_tiers, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
 from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
@@ -58,6 +57,7 @@ from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
+from vllm_fafo.propose_kernel import LENGTHS_LATER
 from vllm_fafo.request_table import RequestTable
 from vllm_fafo.request_table import load_kernels as request_table_kernels
 from vllm_fafo.serving.metrics import FafoMetrics
@@ -99,9 +99,8 @@ class RequestState:
 
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
-_NO_TRIALS = np.zeros((0, 3), dtype=np.int64)
-"""A step without branch trials (empty: nothing in it can change)."""
-_slot_of = operator.attrgetter("slot")
+_NO_TRIALS = np.zeros((3, 0), dtype=np.int64)
+"""A step without branch trials (rows: ranks, tokens, tokens accepted; empty: nothing in it can change)."""
 
 
 def longest_match(config: FafoConfig) -> int:
@@ -241,12 +240,12 @@ class FafoProposer:
             self.config.prior_table, vllm_config.model_config.model, vllm_config.model_config.get_vocab_size())
         load_kernels(self.config)
         controller_kernels.load_kernels()
-        draft_judge.load_kernels()
         metrics_kernels()
         request_table_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
+        self._load_step_kernel()
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
         if region is not None:
@@ -502,39 +501,36 @@ class FafoProposer:
         states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
                                                               token_ids_cpu)
                   for req_id, row in zip(decoding_ids, rows)]
-        slots = np.fromiter(map(_slot_of, states), dtype=np.int64, count=count)
-        decoding = np.array(rows, dtype=np.int64)
         # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
-        # accepted, or a branch's win (RequestTable.settle).
-        taken = np.fromiter(map(len, map(sampled_token_ids.__getitem__, rows)), dtype=np.int64, count=count)
-        verified = np.fromiter((len(spec_tokens.get(req_id, ())) for req_id in decoding_ids), dtype=np.int64,
-                               count=count)
+        # accepted, or a branch's win (RequestTable.settle); the kernel writes the last two rows.
+        numbers = np.array([[state.slot for state in states], rows, [len(sampled_token_ids[row]) for row in rows],
+                            [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids], rows, rows],
+                           dtype=np.int64).reshape(6, count)
         if wins:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:
-                    taken[i], verified[i] = 0, wins[req_id][0]
-        accepted = np.empty(count, dtype=np.int64)
+                    numbers[2, i], numbers[3, i] = 0, wins[req_id][0]
+        slots, decoding, num_tokens, accepted = numbers[0], numbers[1], numbers[4], numbers[5]
+        step_tokens = self._undrafted_tokens(step)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
-        table.settle(slots, taken, verified, self.metrics, accepted)
+        seconds = self._step_seconds(step)
+        if self.config.pad_drafts:
+            self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
+        mode, longest, total, cost_points = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu,
+                                                                  step_tokens, step, seconds)
+        found = self.index.drafts(count)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
-        num_tokens = num_tokens_no_spec[decoding].astype(np.int64)
-        found = self.index.draft_batch(slots, table.owners, table.prompt_len, table.next_anchor, token_ids_cpu,
-                                       decoding, num_tokens, self.num_speculative_tokens, self.max_model_len)
-        self._learn(step, count, int(accepted.sum()), lane_accepted,
-                    self.judge.judge(slots, decoding, num_tokens, token_ids_cpu))
-        self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)  # whole, before the cut
-        if self.config.pad_drafts:  # every request the same tokens, one tier for the batch: a uniform decode batch
-            tier = self.controller.choose_tier(self._undrafted_tokens(step), found.key_lens, found.lengths,
-                                               self.draft_tiers)
+        self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, step.lane_tokens,
+                                    lane_accepted, int(accepted.sum()) - lane_accepted, count)
+        self._publish_and_log()
+        lengths = found.lengths
+        if mode == LENGTHS_LATER:  # every request the same tokens, one tier for the batch: a uniform decode batch
+            tier = self.controller.choose_tier(step_tokens, found.key_lens, found.lengths, self.draft_tiers)
             rooms = np.minimum(tier, self.max_model_len - num_tokens)
             np.minimum(found.lengths, rooms, out=found.lengths)
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
             self.metrics.record_padded_step(tier, count)
-            lengths = found.lengths
-        else:
-            lengths = self.controller.choose_draft_lens(self._undrafted_tokens(step), found.key_lens, found.lengths)
-            np.minimum(found.lengths, lengths, out=found.lengths)
-        table.keep(slots, found.origins, found.lengths, self.metrics)
+            table.keep(slots, found.origins, found.lengths, self.metrics)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, tokens, length in zip(rows, found.tokens.tolist(), found.lengths.tolist()):
             drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)
@@ -545,8 +541,49 @@ class FafoProposer:
                         state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
                         drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
                     )
-            self._size_branches(self._undrafted_tokens(step) + int(lengths.sum()), states, lengths)
+            self._size_branches(step_tokens + int(lengths.sum()), states, lengths)
         return drafts
+
+    def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
+                         step_tokens: int, step: FafoStep, seconds: float) -> tuple[int, int, int, int]:
+        """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
+        ``numbers`` (its ``batch``), with the arguments of the request table, the draft
+        index, the judge and the controller (which learns that ``step`` took ``seconds``),
+        growing what it finds short; returns (what it did with the drafts'
+        lengths, the longest and the total length chosen, the cost curve's points)."""
+        slots, count = numbers[0], numbers.shape[1]
+        trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
+                  else _NO_TRIALS)
+        learning, cost, choice = self.controller.kernel_arguments(
+            step.num_scheduled_tokens + step.tail_tokens, seconds, step.lane_tokens,
+            0 if step.branches is None else step.branches.num_tokens, step_tokens, count,
+            not self.config.pad_drafts, trials)
+        table, counts = self._table.kernel_arguments(self.metrics)
+        for _ in range(5):  # each shortage is made good once
+            index, outputs = self.index.kernel_arguments(self.num_speculative_tokens, self.max_model_len)
+            status, num_keys, cost_points, queued, longest, total = propose_kernel.propose_step(
+                numbers, num_tokens_no_spec, token_ids, table, counts, index, outputs, self.judge.kernel_arguments(),
+                learning, cost, choice)
+            if status == propose_kernel.ROOM_OK:
+                break
+            if status == propose_kernel.ROOM_JUDGE:
+                self.judge.make_room(count, int(slots.max(initial=0)))
+            else:
+                num_tokens = num_tokens_no_spec[numbers[1]].astype(np.int64)
+                self.index.make_room(status, num_keys, self._table.owners[slots], num_tokens,
+                                     self.num_speculative_tokens, self.max_model_len)
+        else:
+            raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
+        self.judge.finish_step(queued)
+        self.index.finish_step()
+        return choice[0], longest, total, cost_points
+
+    def _load_step_kernel(self) -> None:
+        """Run the step's kernel once on an empty batch of the step's types (vLLM's token rows
+        are int32), so that numba loads it (on a new machine: compiles it) while the engine
+        starts, not in its first request's step."""
+        self._run_step_kernel(np.zeros((6, 0), dtype=np.int64), np.zeros(1, dtype=np.int32),
+                              np.zeros((1, 1), dtype=np.int32), 0, FafoStep(0, {}, self.clock()), 0.0)
 
     def _size_branches(self, step_tokens: int, states: list[RequestState], spine_lens: np.ndarray) -> None:
         """Cut the branches just grown to what the controller says pays next step
@@ -609,31 +646,14 @@ class FafoProposer:
         drafts = sum(map(len, step.scheduled_spec_tokens.values()))
         return step.num_scheduled_tokens - drafts + step.tail_tokens
 
-    def _learn(self, step: FafoStep, decoding_requests: int, accepted: int, lane_accepted: int,
-               judged: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        """Feed the controller this step's cost and yields (``accepted``: draft tokens vLLM
-        accepted, of ``decoding_requests``; ``judged``: the drafts the text decided this step, :class:`DraftJudge`);
-        log its state now and then."""
+    def _step_seconds(self, step: FafoStep) -> float:
+        """Seconds from the start of the step to now, before drafting (the rank-zero
+        worker's under tensor parallelism): the step cost the controller learns."""
         seconds = self.clock() - step.started
-        if self._step_time is not None:
-            seconds = self._step_time.share(seconds)
-        trials = np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3) if step.branch_trials else _NO_TRIALS
-        self.controller.observe(StepOutcome(
-            tokens=step.num_scheduled_tokens + step.tail_tokens,
-            seconds=seconds,
-            lane_tokens=step.lane_tokens,
-            lane_accepted=lane_accepted,
-            text_accepted=accepted - lane_accepted,
-            decoding_requests=decoding_requests,
-            draft_lengths=judged[0],
-            accepted_lengths=judged[1],
-            key_lens=judged[2],
-            tree_tokens=0 if step.branches is None else step.branches.num_tokens,
-            uniform_draft_len=_uniform_draft_len(step, decoding_requests) if self.config.pad_drafts else -1,
-            branch_ranks=trials[:, 0],
-            branch_lengths=trials[:, 1],
-            branch_matches=trials[:, 2],
-        ))
+        return seconds if self._step_time is None else self._step_time.share(seconds)
+
+    def _publish_and_log(self) -> None:
+        """Publish the metrics to the API server and log the controller's state, when due."""
         now = time.monotonic()
         if self.publisher is not None and self.publisher.is_due(now):
             self.publisher.publish(self.metrics_snapshot(), now)

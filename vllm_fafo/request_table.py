@@ -78,6 +78,12 @@ class RequestTable:
         metrics count the accepted tokens by origin."""
         settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, metrics.accepted_counts, accepted)
 
+    def kernel_arguments(self, metrics: FafoMetrics) -> tuple[tuple, tuple]:
+        """The table and the metrics' counts as :func:`~vllm_fafo.propose_kernel.propose_step`
+        takes them (it settles and keeps in one call with the step's other work)."""
+        return ((self.draft_len, self.draft_origins, self.prompt_len, self.next_anchor, self.owners),
+                (metrics.accepted_counts, metrics.proposed_counts, metrics.draft_counts, _PAD))
+
     def keep(self, slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, metrics: FafoMetrics) -> None:
         """The drafts proposed this step (request ``slots[i]``'s first ``lengths[i]``
         tokens, of ``origins[i]``), kept until :meth:`settle` next step; the metrics

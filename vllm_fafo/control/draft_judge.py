@@ -86,6 +86,24 @@ class DraftJudge:
         self._count -= count
         return judged[0, :count], judged[1, :count], judged[2, :count]
 
+    def kernel_arguments(self) -> tuple:
+        """The table as :func:`~vllm_fafo.propose_kernel.propose_step` takes it: it judges,
+        then queues the step's drafts, as :meth:`judge` and :meth:`add` do (:meth:`make_room`
+        first where it says so; :meth:`finish_step` after)."""
+        return self._table, self._count, self._index_of_slot, self._judged
+
+    def make_room(self, drafts: int, max_slot: int) -> None:
+        """Room to queue ``drafts`` more drafts, and a slot map reaching ``max_slot``."""
+        if self._count + drafts > len(self._table):
+            self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + drafts])])
+            self._judged = np.zeros((3, len(self._table)), dtype=np.int64)
+        if max_slot >= len(self._index_of_slot):
+            self._index_of_slot = np.zeros(2 * (max_slot + 1), dtype=np.int64)
+
+    def finish_step(self, count: int) -> None:
+        """:func:`~vllm_fafo.propose_kernel.propose_step` left ``count`` drafts queued."""
+        self._count = count
+
     def forget(self, slots: Iterable[int]) -> None:
         """Drop the queued drafts of finished or aborted requests (their text will not go on)."""
         slots = list(slots)
@@ -154,12 +172,3 @@ def judge_drafts(table: np.ndarray, count: int, slots: np.ndarray, rows: np.ndar
             kept += 1
     return done
 
-
-def load_kernels() -> None:
-    """Run the kernels once on small arrays of the step's types (vLLM's token rows are
-    int32), so that numba loads them while the engine starts."""
-    judge = DraftJudge(2, capacity=1)
-    slots = np.zeros(1, dtype=np.int64)
-    judge.add(slots, np.zeros(1, dtype=np.int64), np.ones((1, 2), dtype=np.int32), np.ones(1, dtype=np.int64),
-              np.ones(1, dtype=np.int64))
-    judge.judge(slots, np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64), np.ones((1, 2), dtype=np.int32))

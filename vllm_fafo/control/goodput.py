@@ -58,6 +58,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.control import kernels
+from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER
 
 CONTROLLERS = ("goodput", "fixed")
 
@@ -176,6 +177,12 @@ class StepCostModel:
         self.num_points = kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
                                                float(seconds), self.weight, self.stale_after, self.forget_after,
                                                self.fitted)
+
+    def kernel_arguments(self, tokens: int, seconds: float) -> tuple:
+        """:meth:`observe` as :func:`~vllm_fafo.propose_kernel.propose_step` runs it (its
+        first entry: whether to; the kernel returns :attr:`num_points`)."""
+        return (tokens >= 1, float(tokens), float(seconds), _LOG_GRID, self._points, self._updated_at, self._steps,
+                self.weight, self.stale_after, self.forget_after, self.fitted)
 
     @property
     def has_data(self) -> bool:
@@ -297,19 +304,39 @@ class YieldEstimates:
             self._reach_overall, self._reach_by_row, self._branch_reach))
 
     def observe(self, outcome: StepOutcome) -> None:
-        self._stale = self._branch_stale = True
-        d = self.decay
-        self.lane_tokens = d * self.lane_tokens + outcome.lane_tokens
-        self.lane_accepted = d * self.lane_accepted + outcome.lane_accepted
-        self.decode_rows = d * self.decode_rows + outcome.decoding_requests
-        self.text_accepted = d * self.text_accepted + outcome.text_accepted
+        self.observe_counts(outcome.lane_tokens, outcome.lane_accepted, outcome.text_accepted,
+                            outcome.decoding_requests)
         drafted = kernels.as_int64(outcome.draft_lengths)
         kernels.observe_chains(self.position_trials, self.position_hits, self.draft_decay ** len(drafted),
                                self.row_of_key_len, kernels.as_int64(outcome.key_lens), drafted,
                                kernels.as_int64(outcome.accepted_lengths))
-        kernels.observe_chains(self.branch_trials, self.branch_hits, d, self._branch_rows,
+        kernels.observe_chains(self.branch_trials, self.branch_hits, self.decay, self._branch_rows,
                                kernels.as_int64(outcome.branch_ranks), kernels.as_int64(outcome.branch_lengths),
                                kernels.as_int64(outcome.branch_matches))
+
+    def observe_counts(self, lane_tokens: int, lane_accepted: int, text_accepted: int,
+                       decoding_requests: int) -> None:
+        """A step's totals; its drafts' and branches' chains are counted by :meth:`observe`,
+        or in the step's kernel (:meth:`learning_arguments`)."""
+        self._stale = self._branch_stale = True
+        d = self.decay
+        self.lane_tokens = d * self.lane_tokens + lane_tokens
+        self.lane_accepted = d * self.lane_accepted + lane_accepted
+        self.decode_rows = d * self.decode_rows + decoding_requests
+        self.text_accepted = d * self.text_accepted + text_accepted
+
+    def learning_arguments(self, branch_trials: np.ndarray) -> tuple:
+        """What :func:`~vllm_fafo.propose_kernel.propose_step` counts the step's judged drafts
+        and ``branch_trials`` (rows: ranks, tokens, tokens accepted; contiguous int64) into,
+        as :meth:`observe` does."""
+        return (True, self.position_trials, self.position_hits, self.draft_decay, self.row_of_key_len,
+                self.branch_trials, self.branch_hits, self.decay, self._branch_rows, branch_trials[0],
+                branch_trials[1], branch_trials[2])
+
+    def refreshed(self) -> None:
+        """The draft reach tables were brought up to date after :meth:`observe_counts` (by
+        the step's kernel, which chose draft lengths from them)."""
+        self._stale = False
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -415,6 +442,10 @@ class FixedController:
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
         self.last = Decision(0, max_draft)
+        table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
+        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index, index, index, index)
+        self._cost = StepCostModel().kernel_arguments(0, 0.0)  # tokens 0: not observed
+        self._choice = (np.zeros(1), table, table, table, 0, False, table, 0, False, 0, index)
 
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
         self.last.lanes = max_lanes
@@ -434,6 +465,19 @@ class FixedController:
         return np.asarray(branches.lengths, dtype=np.int64)
 
     def observe(self, outcome: StepOutcome) -> None:
+        return None
+
+    def observe_tiers(self, uniform_draft_len: int, decoding_requests: int, seconds: float) -> None:
+        return None
+
+    def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
+                         requests: int, choose: bool, branch_trials: np.ndarray) -> tuple[tuple, tuple, tuple]:
+        """Nothing learned, every draft as found (:meth:`GoodputController.kernel_arguments`'
+        types, so that both controllers run one compiled kernel)."""
+        return self._learning, self._cost, (LENGTHS_FOUND if choose else LENGTHS_LATER, *self._choice)
+
+    def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
+                    lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
         return None
 
     def summary(self) -> dict:
@@ -480,6 +524,10 @@ class GoodputController:
         """The lanes per request :meth:`choose_lanes` weighs (0, powers of two, the most), by the most."""
         self._lane_seconds = np.zeros(0)
         """Scratch of :func:`~vllm_fafo.control.kernels.choose_lane_count`."""
+        self._lengths = np.zeros(0, dtype=np.int64)
+        """The draft lengths :func:`~vllm_fafo.propose_kernel.propose_step` chooses (scratch)."""
+        self._observed: StepCostModel | None = None
+        """The cost curve the step's kernel observes (:meth:`kernel_arguments`; None: none)."""
 
     # Decisions -----------------------------------------------------------------------
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
@@ -654,12 +702,61 @@ class GoodputController:
         could not tell from the price of the tokens. (On the 2-core CPU a step with a
         lane probe took 15-26 % more than a plain step of as many tokens; in the plain
         curve such steps made the drafts after a probe look dearer than they were.)"""
-        curve = self.tree_cost if outcome.tree_tokens else self.lane_cost if outcome.lane_tokens else self.cost
-        curve.observe(outcome.tokens, outcome.seconds)
-        if outcome.uniform_draft_len >= 0:
-            tier = self.tier_cost.setdefault(outcome.uniform_draft_len, StepCostModel())
-            tier.observe(outcome.decoding_requests, outcome.seconds)
+        self._curve_of(outcome.lane_tokens, outcome.tree_tokens).observe(outcome.tokens, outcome.seconds)
+        self.observe_tiers(outcome.uniform_draft_len, outcome.decoding_requests, outcome.seconds)
         self.yields.observe(outcome)
+
+    def _curve_of(self, lane_tokens: int, tree_tokens: int) -> StepCostModel:
+        """The cost curve a step with these tail tokens teaches (:meth:`observe`)."""
+        return self.tree_cost if tree_tokens else self.lane_cost if lane_tokens else self.cost
+
+    def observe_tiers(self, uniform_draft_len: int, decoding_requests: int, seconds: float) -> None:
+        """:meth:`observe`'s tier costs (``pad_drafts``; -1: not a uniform decode step)."""
+        if uniform_draft_len >= 0:
+            tier = self.tier_cost.setdefault(uniform_draft_len, StepCostModel())
+            tier.observe(decoding_requests, seconds)
+
+    def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
+                         requests: int, choose: bool, branch_trials: np.ndarray) -> tuple[tuple, tuple, tuple]:
+        """The learning, the step cost and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`
+        (:meth:`finish_step` after it), for a step of ``tokens`` tokens (``lane_tokens`` and
+        ``tree_tokens`` of them in its tail) that took ``seconds``, and the ``requests`` drafts
+        of the next, of ``step_tokens`` tokens without them: the cost curve of such steps
+        observes it, the yields learn the judged drafts and ``branch_trials`` (:meth:`observe`);
+        where ``choose``, the drafts are cut as :meth:`choose_draft_lens` would cut them (as
+        found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts."""
+        observed = self._curve_of(lane_tokens, tree_tokens)
+        gains_data = tokens >= 1  # what observing the step adds
+        self._observed = observed if gains_data else None
+        cost_has_data = self.cost.has_data or (gains_data and observed is self.cost)
+        lane_has_data = self.lane_cost.has_data or (gains_data and observed is self.lane_cost)
+        plain = self.cost if cost_has_data or not lane_has_data else self.lane_cost  # _plain_cost, after it
+        lane_curve = self.lane_cost
+        lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
+        plain_has_data = cost_has_data if plain is self.cost else lane_has_data
+        mode = (LENGTHS_LATER if not choose else
+                LENGTHS_CHOSEN if requests and (lanes_on or plain_has_data) else LENGTHS_FOUND)
+        if len(self._lengths) < requests:
+            self._lengths = np.zeros(2 * requests, dtype=np.int64)
+        yields = self.yields
+        return yields.learning_arguments(branch_trials), observed.kernel_arguments(tokens, seconds), (
+            mode, yields._reach_overall, yields._reach_by_row, self._worth_share, plain.fitted, plain.num_points,
+            plain is observed, lane_curve.fitted, lane_curve.num_points if lanes_on else 0,
+            lanes_on and lane_curve is observed, step_tokens, self._lengths)
+
+    def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
+                    lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
+        """After :func:`~vllm_fafo.propose_kernel.propose_step`: the points of the cost curve
+        it observed (``cost_points``), the step's totals learned, and where it chose draft
+        lengths (``mode``) what it chose (the longest, the sum) and from which key lengths
+        (``key_lens``, one per request)."""
+        if self._observed is not None:
+            self._observed.num_points = cost_points
+        self.yields.observe_counts(lane_tokens, lane_accepted, text_accepted, decoding_requests)
+        if mode == LENGTHS_CHOSEN:
+            self.yields.refreshed()
+            self._spine_key_lens = key_lens
+            self.last.draft_len, self.last.mean_draft_len = longest, total / decoding_requests
 
     def summary(self) -> dict:
         tokens, seconds = self.cost.curve()

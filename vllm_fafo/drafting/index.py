@@ -83,6 +83,7 @@ class DraftIndex:
         self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, 1, False)
         """The kernel's deep-match arguments where there are none (the modes)."""
         self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
+        self._frozen_owner = -1 if frozen is None else frozen.owner
 
     def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
         """A new request's pools (its own, then its tenant's shared one); its prompt is
@@ -130,34 +131,48 @@ class DraftIndex:
         (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`), which first checks that
         everything it may add fits (the arrays grow here, outside it, where not). The
         drafts are views of buffers the next call reuses."""
-        config = self.config
-        frozen_owner = -1 if self.frozen is None else self.frozen.owner
         for _ in range(4):  # each shortage is made good once
-            texts = self._no_texts
-            if self.texts is not None:
-                t = self.texts
-                texts = (t.positions.state, t.store, t.starts, t.lengths, t.capacities, t.answers_of, t.key_len, True)
-            tokens, origins, lengths, key_lens, context = self._outputs
+            index, outputs = self.kernel_arguments(max_draft, max_len)
+            tokens, origins, lengths, key_lens, context = outputs
+            st, frozen, frozen_owner, prior, prior_lens, texts, max_draft, max_len, ngram_len, seeded, scratch = index
             status, num_keys = step_kernel.file_and_draft(
-                self.arena.state, self._frozen_state, frozen_owner, self._prior, self._prior_lens, texts, history,
-                rows, num_tokens, slots, prompt_lens, next_anchors, owners, max_draft, max_len, config.ngram_len,
-                config.seed_from_output, tokens, origins, lengths, key_lens, self._scratch, context)
+                st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
+                next_anchors, owners, max_draft, max_len, ngram_len, seeded, tokens, origins, lengths, key_lens,
+                scratch, context)
             if status == step_kernel.ROOM_OK:
                 break
-            self._make_room(status, num_keys, owners[slots], num_tokens, np.minimum(max_draft, max_len - num_tokens))
+            self.make_room(status, num_keys, owners[slots], num_tokens, max_draft, max_len)
         else:
             raise RuntimeError(f"DraftIndex.draft_batch: the step's kernel still lacks room ({status}) after growing")
-        if self.shared is not None:
-            self.shared.trim()
-        count = len(rows)
+        self.finish_step()
+        return self.drafts(len(rows))
+
+    def drafts(self, count: int) -> BatchDrafts:
+        """The drafts the last kernel call made for its ``count`` requests (views of buffers
+        the next call reuses)."""
+        tokens, origins, lengths, key_lens, _ = self._outputs
         return BatchDrafts(tokens[:count], origins[:count], lengths[:count], key_lens[:count])
 
-    def _make_room(self, status: int, num_keys: int, owners: np.ndarray, num_tokens: np.ndarray,
-                   rooms: np.ndarray) -> None:
+    def kernel_arguments(self, max_draft: int, max_len: int) -> tuple[tuple, tuple]:
+        """:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`'s arguments but the batch's,
+        as two tuples (the index's, the outputs'), as
+        :func:`~vllm_fafo.propose_kernel.propose_step` takes them (:meth:`make_room` where it
+        lacks room, :meth:`finish_step` after)."""
+        texts = self._no_texts
+        if self.texts is not None:
+            t = self.texts
+            texts = (t.positions.state, t.store, t.starts, t.lengths, t.capacities, t.answers_of, t.key_len, True)
+        return ((self.arena.state, self._frozen_state, self._frozen_owner, self._prior, self._prior_lens, texts,
+                 max_draft, max_len, self.config.ngram_len, self.config.seed_from_output, self._scratch),
+                self._outputs)
+
+    def make_room(self, status: int, num_keys: int, owners: np.ndarray, num_tokens: np.ndarray, max_draft: int,
+                  max_len: int) -> None:
         """Grow what the step's kernel found short (``status``, :data:`step_kernel.ROOM_OK`
-        and after; ``num_keys``: the keys the step files), for the requests of these numbers
-        (one row each)."""
+        and after; ``num_keys``: the keys the step files), for the requests of these ids
+        (one row each) and text lengths."""
         if status == step_kernel.ROOM_OUTPUTS:
+            rooms = np.minimum(max_draft, max_len - num_tokens)
             self._outputs = self._new_outputs(max(len(num_tokens), 2 * len(self._outputs[2])),
                                               max(int(rooms.max(initial=0)), self._outputs[0].shape[1]))
         elif status == step_kernel.ROOM_POOLS:
@@ -166,6 +181,11 @@ class DraftIndex:
             self.texts.make_room(owners[:, 2].copy(), num_tokens)
         else:
             raise ValueError(f"unknown room status {status}")
+
+    def finish_step(self) -> None:
+        """After the step's filing: the tenants' shared pools back within their bounds."""
+        if self.shared is not None:
+            self.shared.trim()
 
     def _new_outputs(self, count: int, width: int) -> tuple[np.ndarray, ...]:
         """The kernel's outputs for ``count`` requests of drafts up to ``width`` tokens, and its context."""

@@ -1,0 +1,121 @@
+"""The step's one kernel call (vllm_fafo.propose_kernel) against the kernels it runs, called one by one."""
+
+import numpy as np
+import pytest
+
+from vllm_fafo.control import kernels
+from vllm_fafo.control.goodput import GoodputController
+from vllm_fafo.propose_kernel import LENGTHS_FOUND
+from vllm_fafo.proposer import FafoProposer
+
+from .test_proposer import make_proposer
+
+
+class SeparateKernels(FafoProposer):
+    """The step as the proposer ran it before :func:`propose_step`: each owner's public
+    call in turn (the request table's settle and keep, the index's draft_batch, the
+    judge's judge and add, the controller's observe and choose_draft_lens)."""
+
+    def _run_step_kernel(self, numbers, num_tokens_no_spec, token_ids, step_tokens, step, seconds):
+        slots, rows, taken, verified = numbers[:4]
+        numbers[4] = num_tokens_no_spec[rows]
+        num_tokens, accepted = numbers[4], numbers[5]
+        controller = self.controller
+        learns = isinstance(controller, GoodputController)
+        if learns:
+            controller._curve_of(step.lane_tokens, 0).observe(step.num_scheduled_tokens + step.tail_tokens, seconds)
+        self._table.settle(slots, taken, verified, self.metrics, accepted)
+        found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
+                                       token_ids, rows, num_tokens, self.num_speculative_tokens, self.max_model_len)
+        lengths, matched, key_lens = self.judge.judge(slots, rows, num_tokens, token_ids)
+        if learns:
+            yields, none = controller.yields, np.zeros(0, dtype=np.int64)
+            kernels.observe_chains(yields.position_trials, yields.position_hits, yields.draft_decay ** len(lengths),
+                                   yields.row_of_key_len, key_lens, lengths, matched)
+            kernels.observe_chains(yields.branch_trials, yields.branch_hits, yields.decay, yields._branch_rows, none,
+                                   none, none)
+        self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)
+        chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
+        np.minimum(found.lengths, chosen, out=found.lengths)
+        self._table.keep(slots, found.origins, found.lengths, self.metrics)
+        return LENGTHS_FOUND, 0, 0, 0  # choose_draft_lens noted its choice; no cost curve to update after
+
+
+def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:
+    """Random tokens with spans copied from earlier in the text, so that drafts are found
+    and some of them accepted."""
+    text = list(rng.integers(0, 50, size=8))
+    while len(text) < length:
+        if rng.random() < 0.6:
+            start = int(rng.integers(0, len(text) - 4))
+            text += text[start : start + int(rng.integers(3, 12))]
+        else:
+            text += rng.integers(0, 50, size=3).tolist()
+    return np.array(text[:length], dtype=np.int32)
+
+
+@pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"}],
+                         ids=["goodput", "deep-match-shared", "fixed"])
+def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
+    """Three requests (one joining late, one leaving early) over 40 steps of texts that
+    repeat themselves, each step's sampled tokens the text's next ones (the draft's
+    matching prefix and one more): the proposer with the one kernel call and one making
+    the separate calls give the same drafts every step, and end with the same request
+    table, judge queue, metrics, draft yields and cost curve."""
+    settings = {"controller": "goodput", "num_speculative_tokens": 6, **settings}
+    fused = make_proposer(max_model_len=512, **settings)
+    separate = make_proposer(max_model_len=512, **settings)
+    separate.__class__ = SeparateKernels
+    rng = np.random.default_rng(3)
+    history = np.stack([repetitive_text(512, rng) for _ in range(3)])
+    num_tokens = np.array([20, 30, 25], dtype=np.int32)
+    now = [0.0]  # a modelled clock: each step's forward takes what its tokens cost
+    for proposer in (fused, separate):
+        proposer.clock = lambda: now[0]
+    req_ids, drafts, scheduled = ["a", "b"], [[], []], {}
+    states, drafted = {}, 0
+    for step in range(40):
+        if step == 5:
+            req_ids, drafts = [*req_ids, "c"], [*drafts, []]
+        finished = ["a"] if step == 30 else []
+        if finished:
+            keep = [i for i, req_id in enumerate(req_ids) if req_id not in finished]
+            req_ids, drafts = [req_ids[i] for i in keep], [drafts[i] for i in keep]
+        rows = [ord(req_id) - ord("a") for req_id in req_ids]
+        sampled = []
+        for row, draft in zip(rows, drafts):
+            truth = history[row, num_tokens[row] : num_tokens[row] + len(draft) + 1].tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            sampled.append(truth[: accepted + 1])
+            num_tokens[row] += accepted + 1
+        seconds = 0.05 + 0.002 * sum(map(len, drafts))
+        new = {req_id: None for req_id in req_ids if req_id not in states}
+        states.update(new)
+        results = []
+        for proposer in (fused, separate):
+            proposer.begin_step(finished, len(req_ids) + sum(map(len, drafts)), scheduled, new)
+            now[0] += seconds
+            proposer.finish_forward(req_ids, None)
+            results.append(proposer.propose(sampled, num_tokens[rows], history[rows]))
+        assert results[0] == results[1], f"step {step}"
+        drafts = results[0]
+        drafted += sum(map(len, drafts))
+        scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
+    print(drafted, fused.metrics.accepted_tokens, fused.controller.summary())
+    assert drafted > 40 and sum(fused.metrics.accepted_tokens.values()) > 20  # drafts found and accepted
+    for name in ("draft_len", "draft_origins", "next_anchor", "owners"):
+        np.testing.assert_array_equal(getattr(fused._table, name), getattr(separate._table, name), err_msg=name)
+    assert len(fused.judge) == len(separate.judge)
+    np.testing.assert_array_equal(fused.judge._table[: len(fused.judge)], separate.judge._table[: len(fused.judge)])
+    assert fused.metrics.as_dict() == separate.metrics.as_dict()
+    if settings["controller"] == "goodput":  # the same arithmetic; compiled into one kernel, in the last bits
+        ours, theirs, same = fused.controller, separate.controller, {"rtol": 1e-12, "atol": 0}
+        np.testing.assert_allclose(ours.yields.position_trials, theirs.yields.position_trials, **same)
+        np.testing.assert_allclose(ours.yields.position_hits, theirs.yields.position_hits, **same)
+        assert ours.cost.num_points == theirs.cost.num_points > 0
+        np.testing.assert_allclose(ours.cost.fitted[:2, : ours.cost.num_points],
+                                   theirs.cost.fitted[:2, : theirs.cost.num_points], **same)
+        np.testing.assert_allclose(ours.yields.reach_table(), theirs.yields.reach_table(), **same)
+        assert (ours.last.draft_len, ours.last.mean_draft_len) == (theirs.last.draft_len, theirs.last.mean_draft_len)

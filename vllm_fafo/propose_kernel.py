@@ -1,0 +1,111 @@
+"""The step's work after vLLM's lists are read, in one numba call.
+
+Between two forwards the processor's caches are cold: on the 2-core CPU a
+numba call from Python cost 12-20 us before its first instruction of work
+(0.4-0.9 us warm), and about 1 us more per array it takes
+(docs/results/host-time.md). :meth:`FafoProposer.propose` made eight such
+calls (the request table's settling and keeping, the draft index's filing and
+drafting, the judge's judging and queueing, the controller's learning and
+choosing); :func:`propose_step` runs the same kernels, in the same order, in
+one. Its arguments come in tuples by owner, each built by that owner's
+``kernel_arguments``.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from vllm_fafo.control.draft_judge import judge_drafts, queue_drafts
+from vllm_fafo.control.kernels import choose_draft_lengths, observe_chains, observe_cost
+from vllm_fafo.drafting.step_kernel import ROOM_OK, file_and_draft
+from vllm_fafo.request_table import keep_drafts, settle_drafts
+
+ROOM_JUDGE = 4
+"""The judge's table lacks room for this step's drafts, or its slot map for a slot
+(after :data:`~vllm_fafo.drafting.step_kernel.ROOM_OUTPUTS`): nothing was done."""
+LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER = range(3)
+"""What :func:`propose_step` does with the drafts found: cut them to the lengths the
+goodput controller chooses, keep them as found (nothing learned yet, or the fixed
+controller), or neither, leaving the cut and the keeping to the caller
+(``pad_drafts``' tiers)."""
+
+
+@njit(cache=True)
+def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outputs, judge, learning, cost, choice):
+    """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
+    vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
+    whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``:
+
+    1. file their new n-grams and draft (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`,
+       ``index`` and ``outputs``: :meth:`DraftIndex.kernel_arguments`);
+    2. the controller's cost curve observes the step (``cost``,
+       :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arguments`);
+    3. settle what vLLM accepted of their last drafts (:func:`~vllm_fafo.request_table.settle_drafts`,
+       ``table`` and ``counts``: :meth:`RequestTable.kernel_arguments`);
+    4. judge the queued drafts their text now decides (:func:`~vllm_fafo.control.draft_judge.judge_drafts`,
+       ``judge``: :meth:`DraftJudge.kernel_arguments`) and, where ``learning`` says so,
+       teach the controller's draft yields those and the branches' trials
+       (:func:`~vllm_fafo.control.kernels.observe_chains`);
+    5. queue the drafts found, whole, for judging later;
+    6. cut them to the lengths the controller chooses (``choice``,
+       :func:`~vllm_fafo.control.kernels.choose_draft_lengths`) and keep them for
+       settling next step (:func:`~vllm_fafo.request_table.keep_drafts`), as its
+       mode (:data:`LENGTHS_CHOSEN` ...) says.
+
+    Returns (room status, keys filed, the cost curve's points, the judge's new count,
+    longest and total length chosen). A status other than ``ROOM_OK`` changed nothing: the
+    caller grows what lacks room and calls again."""
+    slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
+    draft_len, draft_origins, prompt_lens, next_anchors, owners = table
+    accepted_counts, proposed_counts, draft_counts, pad = counts
+    st, frozen, frozen_owner, prior, prior_lens, texts, max_draft, max_len, ngram_len, seed_from_output, scratch = index
+    drafts, origins, found_lens, key_lens, context = outputs
+    judge_table, judge_count, index_of_slot, judged = judge
+    (learn, trials, hits, draft_decay, row_of_key_len, branch_trials, branch_hits, branch_decay, branch_rows,
+     branch_ranks, branch_lengths, branch_matches) = learning
+    (observe, tokens, seconds, log_grid, points, updated_at, steps, weight, stale_after, forget_after,
+     curve) = cost
+    (mode, reach_overall, reach_by_row, worth_share, plain, plain_count, plain_observed, lanes, lane_count,
+     lanes_observed, step_tokens, lengths) = choice
+
+    count = len(slots)
+    if judge_count + count > judge_table.shape[0]:
+        return ROOM_JUDGE, 0, 0, judge_count, 0, 0
+    for i in range(count):
+        if slots[i] >= len(index_of_slot):
+            return ROOM_JUDGE, 0, 0, judge_count, 0, 0
+        num_tokens[i] = num_tokens_no_spec[rows[i]]
+    status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
+                                      slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
+                                      seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
+    if status != ROOM_OK:
+        return status, num_keys, 0, judge_count, 0, 0
+    points_now = 0
+    if observe:
+        points_now = observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after,
+                                  forget_after, curve)
+        if plain_observed:
+            plain_count = points_now
+        if lanes_observed:
+            lane_count = points_now
+    settle_drafts(slots, taken, verified, draft_len, draft_origins, accepted_counts, accepted)
+    done = judge_drafts(judge_table, judge_count, slots, rows, index_of_slot, num_tokens, history, judged)
+    judge_count -= done
+    if learn:
+        observe_chains(trials, hits, draft_decay ** done, row_of_key_len, judged[2, :done], judged[0, :done],
+                       judged[1, :done])
+        observe_chains(branch_trials, branch_hits, branch_decay, branch_rows, branch_ranks, branch_lengths,
+                       branch_matches)
+    judge_count = queue_drafts(judge_table, judge_count, slots, num_tokens, drafts, found_lens[:count],
+                               key_lens[:count])
+    longest, total = 0, 0
+    if mode == LENGTHS_CHOSEN:
+        longest, total = choose_draft_lengths(trials, hits, reach_overall, reach_by_row, True, row_of_key_len,
+                                              worth_share, key_lens[:count], found_lens[:count], plain,
+                                              plain_count, lanes, lane_count, step_tokens, lengths[:count])
+        for i in range(count):
+            found_lens[i] = min(found_lens[i], lengths[i])
+    if mode != LENGTHS_LATER:
+        keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
+                    draft_counts)
+    return ROOM_OK, num_keys, points_now, judge_count, longest, total

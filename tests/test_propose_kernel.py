@@ -5,10 +5,13 @@ import pytest
 
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController
+from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.propose_kernel import LENGTHS_FOUND
 from vllm_fafo.proposer import FafoProposer
 
 from .test_proposer import make_proposer
+
+LANE_CODE = ORIGIN_CODE[Origin.LANE]
 
 
 class SeparateKernels(FafoProposer):
@@ -24,7 +27,9 @@ class SeparateKernels(FafoProposer):
         learns = isinstance(controller, GoodputController)
         if learns:
             controller._curve_of(step.lane_tokens, 0).observe(step.num_scheduled_tokens + step.tail_tokens, seconds)
+        lane_before = int(self.metrics.accepted_counts[LANE_CODE])
         self._table.settle(slots, taken, verified, self.metrics, accepted)
+        lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
                                        token_ids, rows, num_tokens, self.num_speculative_tokens, self.max_model_len)
         lengths, matched, key_lens = self.judge.judge(slots, rows, num_tokens, token_ids)
@@ -38,7 +43,8 @@ class SeparateKernels(FafoProposer):
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
-        return LENGTHS_FOUND, 0, 0, 0  # choose_draft_lens noted its choice; no cost curve to update after
+        # choose_draft_lens noted its choice; no cost curve to update after
+        return LENGTHS_FOUND, 0, 0, 0, int(accepted.sum()), lane_accepted
 
 
 def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:

@@ -53,11 +53,11 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
        mode (:data:`LENGTHS_CHOSEN` ...) says.
 
     Returns (room status, keys filed, the cost curve's points, the judge's new count,
-    longest and total length chosen). A status other than ``ROOM_OK`` changed nothing: the
+    longest and total length chosen, drafts accepted, of them the lanes'). A status other than ``ROOM_OK`` changed nothing: the
     caller grows what lacks room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = table
-    accepted_counts, proposed_counts, draft_counts, pad = counts
+    accepted_counts, proposed_counts, draft_counts, pad, lane = counts
     st, frozen, frozen_owner, prior, prior_lens, texts, max_draft, max_len, ngram_len, seed_from_output, scratch = index
     drafts, origins, found_lens, key_lens, context = outputs
     judge_table, judge_count, index_of_slot, judged = judge
@@ -70,16 +70,16 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
-        return ROOM_JUDGE, 0, 0, judge_count, 0, 0
+        return ROOM_JUDGE, 0, 0, judge_count, 0, 0, 0, 0
     for i in range(count):
         if slots[i] >= len(index_of_slot):
-            return ROOM_JUDGE, 0, 0, judge_count, 0, 0
+            return ROOM_JUDGE, 0, 0, judge_count, 0, 0, 0, 0
         num_tokens[i] = num_tokens_no_spec[rows[i]]
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
                                       seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
     if status != ROOM_OK:
-        return status, num_keys, 0, judge_count, 0, 0
+        return status, num_keys, 0, judge_count, 0, 0, 0, 0
     points_now = 0
     if observe:
         points_now = observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after,
@@ -88,7 +88,9 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
             plain_count = points_now
         if lanes_observed:
             lane_count = points_now
+    lane_before = accepted_counts[lane]
     settle_drafts(slots, taken, verified, draft_len, draft_origins, accepted_counts, accepted)
+    lane_accepted = accepted_counts[lane] - lane_before
     done = judge_drafts(judge_table, judge_count, slots, rows, index_of_slot, num_tokens, history, judged)
     judge_count -= done
     if learn:
@@ -108,4 +110,4 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)
-    return ROOM_OK, num_keys, points_now, judge_count, longest, total
+    return ROOM_OK, num_keys, points_now, judge_count, longest, total, accepted.sum(), lane_accepted

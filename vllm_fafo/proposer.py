@@ -98,7 +98,6 @@ class RequestState:
     """The draft tree's branches off the last draft, verified next step."""
 
 
-LANE_CODE = ORIGIN_CODE[Origin.LANE]
 _NO_TRIALS = np.zeros((3, 0), dtype=np.int64)
 """A step without branch trials (rows: ranks, tokens, tokens accepted; empty: nothing in it can change)."""
 
@@ -510,18 +509,16 @@ class FafoProposer:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:
                     numbers[2, i], numbers[3, i] = 0, wins[req_id][0]
-        slots, decoding, num_tokens, accepted = numbers[0], numbers[1], numbers[4], numbers[5]
+        slots, decoding, num_tokens = numbers[0], numbers[1], numbers[4]
         step_tokens = self._undrafted_tokens(step)
-        lane_before = int(self.metrics.accepted_counts[LANE_CODE])
         seconds = self._step_seconds(step)
         if self.config.pad_drafts:
             self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
-        mode, longest, total, cost_points = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu,
-                                                                  step_tokens, step, seconds)
+        mode, longest, total, cost_points, accepted, lane_accepted = self._run_step_kernel(
+            numbers, num_tokens_no_spec, token_ids_cpu, step_tokens, step, seconds)
         found = self.index.drafts(count)
-        lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, step.lane_tokens,
-                                    lane_accepted, int(accepted.sum()) - lane_accepted, count)
+                                    lane_accepted, accepted - lane_accepted, count)
         self._publish_and_log()
         lengths = found.lengths
         if mode == LENGTHS_LATER:  # every request the same tokens, one tier for the batch: a uniform decode batch
@@ -545,12 +542,13 @@ class FafoProposer:
         return drafts
 
     def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
-                         step_tokens: int, step: FafoStep, seconds: float) -> tuple[int, int, int, int]:
+                         step_tokens: int, step: FafoStep, seconds: float) -> tuple[int, ...]:
         """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
         index, the judge and the controller (which learns that ``step`` took ``seconds``),
         growing what it finds short; returns (what it did with the drafts'
-        lengths, the longest and the total length chosen, the cost curve's points)."""
+        lengths, the longest and the total length chosen, the cost curve's points, the
+        drafts accepted, of them the lanes')."""
         slots, count = numbers[0], numbers.shape[1]
         trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
                   else _NO_TRIALS)
@@ -561,7 +559,8 @@ class FafoProposer:
         table, counts = self._table.kernel_arguments(self.metrics)
         for _ in range(5):  # each shortage is made good once
             index, outputs = self.index.kernel_arguments(self.num_speculative_tokens, self.max_model_len)
-            status, num_keys, cost_points, queued, longest, total = propose_kernel.propose_step(
+            (status, num_keys, cost_points, queued, longest, total, accepted,
+             lane_accepted) = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, table, counts, index, outputs, self.judge.kernel_arguments(),
                 learning, cost, choice)
             if status == propose_kernel.ROOM_OK:
@@ -576,7 +575,7 @@ class FafoProposer:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
         self.index.finish_step()
-        return choice[0], longest, total, cost_points
+        return choice[0], longest, total, cost_points, accepted, lane_accepted
 
     def _load_step_kernel(self) -> None:
         """Run the step's kernel once on an empty batch of the step's types (vLLM's token rows

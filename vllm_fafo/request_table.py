@@ -15,7 +15,7 @@ from numba import njit
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.serving.metrics import FafoMetrics, count_drafts
 
-_PAD = ORIGIN_CODE[Origin.PAD]
+_PAD, _LANE = ORIGIN_CODE[Origin.PAD], ORIGIN_CODE[Origin.LANE]
 
 
 class RequestTable:
@@ -79,10 +79,11 @@ class RequestTable:
         settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, metrics.accepted_counts, accepted)
 
     def kernel_arguments(self, metrics: FafoMetrics) -> tuple[tuple, tuple]:
-        """The table and the metrics' counts as :func:`~vllm_fafo.propose_kernel.propose_step`
-        takes them (it settles and keeps in one call with the step's other work)."""
+        """The table and the metrics' counts (with the filler's and the lanes' origin codes)
+        as :func:`~vllm_fafo.propose_kernel.propose_step` takes them (it settles and keeps in
+        one call with the step's other work)."""
         return ((self.draft_len, self.draft_origins, self.prompt_len, self.next_anchor, self.owners),
-                (metrics.accepted_counts, metrics.proposed_counts, metrics.draft_counts, _PAD))
+                (metrics.accepted_counts, metrics.proposed_counts, metrics.draft_counts, _PAD, _LANE))
 
     def keep(self, slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, metrics: FafoMetrics) -> None:
         """The drafts proposed this step (request ``slots[i]``'s first ``lengths[i]``

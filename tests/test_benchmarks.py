@@ -484,3 +484,15 @@ def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
         "| fafo | 8 | FafoProposer.propose | 20 |",
         "| fafo | 8 | propose outside the parts above | 14 |",
     ]
+
+
+def test_cold_calls_times_each_call_warm_and_cold():
+    """``cold_calls.py``: a row per call, warm and cold times in us, the kernels' arguments
+    as many as named (a kernel taking 8 arrays reads the first)."""
+    cold_calls = benchmark_script("cold_calls")
+    assert cold_calls.kernel_taking(8)(*(np.full(2, i) for i in range(8))) == 0
+    rows = cold_calls.call_rows(evict_mib=1, calls=3)
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| Python function", "| numpy call (np.minimum of two 8-element arrays)", "| numba kernel taking 1 array",
+        "| numba kernel taking 8 arrays", "| numba kernel taking 32 arrays", "| numba kernel taking 64 arrays"]
+    assert all(float(cell) > 0 for row in rows for cell in row.strip(" |").split(" | ")[1:])

@@ -20,10 +20,12 @@ points of vLLM's step where the information exists; in order:
    :meth:`~FafoProposer.accept_branches` swaps in a branch that got further.
 5. :meth:`~FafoProposer.finish_forward` before drafting: the row order of
    the batch, and the lanes read their next tokens off the hidden states.
-6. :meth:`~FafoProposer.propose`: judge earlier drafts against the text
+6. :meth:`~FafoProposer.propose`: in one kernel call
+   (:func:`~vllm_fafo.propose_kernel.propose_step`) file new n-grams and draft,
+   settle what vLLM accepted, judge earlier drafts against the text
    (:class:`~vllm_fafo.control.draft_judge.DraftJudge`, what the controller learns
-   from), file new n-grams, draft from the pool, cut the drafts to what pays
-   (and grow the next step's branches); the step ends.
+   from), cut the drafts to what pays; then grow the next step's branches; the
+   step ends.
 
 Per step and request the work is bounded by the tokens accepted this step
 times K: new n-grams are filed from a short window of the history row vLLM
@@ -484,7 +486,8 @@ class FafoProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings=None,
     ) -> list[list[int]]:
-        """6. File the new n-grams of every request, draft from the pool; the step ends."""
+        """6. File the new n-grams of every request and draft, learn from the step, cut the
+        drafts to what pays; the step ends."""
         step, self.step = self.step, None
         req_ids = step.req_ids if step is not None else None
         if req_ids is None or len(req_ids) < len(sampled_token_ids):

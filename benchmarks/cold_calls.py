@@ -1,0 +1,116 @@
+"""What a call from Python costs between two forwards, when the caches are cold.
+
+A CPU forward reads the model's weights (hundreds of MiB) and leaves nothing of
+the proposer's code or objects in the processor's caches; a numba call then
+pays for every Python object it unboxes. This times calls back to back
+(warm) and each after touching ``--evict-mib`` MiB (cold, as after a
+forward): a Python function, a numpy call, numba kernels taking 1 to 64
+arrays, and FAFO's step kernel (:func:`vllm_fafo.propose_kernel.propose_step`)
+as :mod:`proposer_step_cost` drives the proposer at batch 1 and 32 (cold only;
+a trivial kernel taking the same arguments beside it: the arguments' share).
+Median us per call.
+
+    python benchmarks/cold_calls.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from numba import njit
+
+
+def timer(evict_mib: int):
+    """``time_call(call)``: the call's seconds, after evicting the caches where asked."""
+    junk = np.ones((evict_mib << 20) // 8)
+
+    def time_call(call, cold: bool) -> float:
+        if cold:
+            junk[::8] += 1.0  # a write to every cache line
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    return time_call
+
+
+def kernel_taking(count: int):
+    """A numba kernel of ``count`` array arguments that reads one element."""
+    names = ", ".join(f"a{i}" for i in range(count))
+    namespace: dict = {}
+    exec(f"def kernel({names}):\n    return a0[0]\n", namespace)  # noqa: S102 - a fixed template
+    return njit(namespace["kernel"])
+
+
+def call_rows(evict_mib: int, calls: int) -> list[str]:
+    time_call = timer(evict_mib)
+    small = np.zeros(8, dtype=np.int64)
+    cases = {"Python function": (lambda: None), "numpy call (np.minimum of two 8-element arrays)":
+             (lambda: np.minimum(small, small))}
+    for count in (1, 8, 32, 64):
+        arrays = [np.zeros(8 + i, dtype=np.int64) for i in range(count)]
+        kernel = kernel_taking(count)
+        kernel(*arrays)  # compile
+        cases[f"numba kernel taking {count} array{'s' if count > 1 else ''}"] = lambda kernel=kernel, arrays=arrays: kernel(*arrays)
+    rows = []
+    for name, call in cases.items():
+        warm = statistics.median(time_call(call, False) for _ in range(calls))
+        cold = statistics.median(time_call(call, True) for _ in range(calls))
+        rows.append(f"| {name} | {1e6 * warm:.1f} | {1e6 * cold:.1f} |")
+    return rows
+
+
+def step_kernel_rows(evict_mib: int, steps: int) -> list[str]:
+    """FAFO's step kernel, cold, in proposer_step_cost.py's steps, beside a trivial kernel
+    taking the same arguments."""
+    import proposer_step_cost
+
+    from vllm_fafo import propose_kernel
+
+    time_call = timer(evict_mib)
+
+    @njit
+    def same_arguments(batch, num_tokens, history, table, counts, index, outputs, judge, learning, cost, choice):
+        return batch[0, 0] if batch.shape[1] else 0
+
+    real = propose_kernel.propose_step
+    seconds: dict[str, list[float]] = {"step": [], "arguments": []}
+
+    def timed_step(*args):
+        seconds["arguments"].append(time_call(lambda: same_arguments(*args), True))
+        result = []
+        seconds["step"].append(time_call(lambda: result.append(real(*args)), True))
+        return result[0]
+
+    rows = []
+    propose_kernel.propose_step = timed_step
+    try:
+        for batch in (1, 32):
+            for series in seconds.values():
+                series.clear()
+            proposer_step_cost.measure(batch, 128, steps, "goodput")
+            rows.append(f"| step kernel, batch {batch} | - | {1e6 * statistics.median(seconds['step'][10:]):.1f} |")
+            rows.append(f"| a trivial kernel taking its arguments, batch {batch} | - | "
+                        f"{1e6 * statistics.median(seconds['arguments'][10:]):.1f} |")
+    finally:
+        propose_kernel.propose_step = real
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--evict-mib", type=int, default=96, help="MiB touched before a cold call (above the L3)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="proposer_step_cost.py steps per batch size")
+    args = parser.parse_args()
+    print("| call | warm us | cold us |")
+    print("|---|---|---|")
+    for row in call_rows(args.evict_mib, args.calls) + step_kernel_rows(args.evict_mib, args.steps):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -739,8 +739,9 @@ class GoodputController:
         if len(self._lengths) < requests:
             self._lengths = np.zeros(2 * requests, dtype=np.int64)
         yields = self.yields
+        reach_overall, reach_by_row, _ = yields.reach_arrays()  # the kernel refreshes them where it chooses
         return yields.learning_arguments(branch_trials), observed.kernel_arguments(tokens, seconds), (
-            mode, yields._reach_overall, yields._reach_by_row, self._worth_share, plain.fitted, plain.num_points,
+            mode, reach_overall, reach_by_row, self._worth_share, plain.fitted, plain.num_points,
             plain is observed, lane_curve.fitted, lane_curve.num_points if lanes_on else 0,
             lanes_on and lane_curve is observed, step_tokens, self._lengths)
 

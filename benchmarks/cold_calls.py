@@ -5,7 +5,8 @@ the proposer's code or objects in the processor's caches; a numba call then
 pays for every Python object it unboxes. This times calls back to back
 (warm) and each after touching ``--evict-mib`` MiB (cold, as after a
 forward): a Python function, a numpy call, numba kernels taking 1 to 64
-arrays, and FAFO's step kernel (:func:`vllm_fafo.propose_kernel.propose_step`)
+arrays or one structref holding 64 (numba reads it as one object: what handing
+the step's arrays over in one object would cost), and FAFO's step kernel (:func:`vllm_fafo.propose_kernel.propose_step`)
 as :mod:`proposer_step_cost` drives the proposer at batch 1 and 32 (cold only;
 a trivial kernel taking the same arguments beside it: the arguments' share).
 Median us per call.
@@ -20,7 +21,8 @@ import statistics
 import time
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.experimental import structref
 
 
 def timer(evict_mib: int):
@@ -45,6 +47,25 @@ def kernel_taking(count: int):
     return njit(namespace["kernel"])
 
 
+@structref.register
+class _HeldType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(kind)) for name, kind in fields)
+
+
+class _Held(structref.StructRefProxy):
+    """64 arrays in one numba structref."""
+
+
+HELD_FIELDS = 64
+structref.define_proxy(_Held, _HeldType, [f"a{i}" for i in range(HELD_FIELDS)])
+
+
+@njit
+def _read_held(held):
+    return held.a0[0]
+
+
 def call_rows(evict_mib: int, calls: int) -> list[str]:
     time_call = timer(evict_mib)
     small = np.zeros(8, dtype=np.int64)
@@ -55,6 +76,9 @@ def call_rows(evict_mib: int, calls: int) -> list[str]:
         kernel = kernel_taking(count)
         kernel(*arrays)  # compile
         cases[f"numba kernel taking {count} array{'s' if count > 1 else ''}"] = lambda kernel=kernel, arrays=arrays: kernel(*arrays)
+    held = _Held(*(np.zeros(8 + i, dtype=np.int64) for i in range(HELD_FIELDS)))
+    _read_held(held)  # compile
+    cases[f"numba kernel taking a structref of {HELD_FIELDS} arrays"] = lambda: _read_held(held)
     rows = []
     for name, call in cases.items():
         warm = statistics.median(time_call(call, False) for _ in range(calls))

@@ -494,5 +494,6 @@ def test_cold_calls_times_each_call_warm_and_cold():
     rows = cold_calls.call_rows(evict_mib=1, calls=3)
     assert [row.split(" | ")[0] for row in rows] == [
         "| Python function", "| numpy call (np.minimum of two 8-element arrays)", "| numba kernel taking 1 array",
-        "| numba kernel taking 8 arrays", "| numba kernel taking 32 arrays", "| numba kernel taking 64 arrays"]
+        "| numba kernel taking 8 arrays", "| numba kernel taking 32 arrays", "| numba kernel taking 64 arrays",
+        "| numba kernel taking a structref of 64 arrays"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip(" |").split(" | ")[1:])

@@ -1,9 +1,9 @@
 """The step's work after vLLM's lists are read, in one numba call.
 
 Between two forwards the processor's caches are cold: on the 2-core CPU a
-numba call from Python cost 12-20 us before its first instruction of work
-(0.4-0.9 us warm), and about 1 us more per array it takes
-(docs/results/host-time.md). :meth:`FafoProposer.propose` made eight such
+numba call from Python cost 5-20 us before its first instruction of work
+(0.2-0.9 us warm), and 0.5-1 us more per array it takes
+(``benchmarks/cold_calls.py``, docs/results/host-time.md). :meth:`FafoProposer.propose` made eight such
 calls (the request table's settling and keeping, the draft index's filing and
 drafting, the judge's judging and queueing, the controller's learning and
 choosing); :func:`propose_step` runs the same kernels, in the same order, in

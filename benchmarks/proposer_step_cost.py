@@ -20,6 +20,7 @@ host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
     python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
+    python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --history 128 --evict-mib 96  # caches cold, as in an engine
 
 ``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
 freezes its start-up heap, so that the garbage collector's full collections walk
@@ -86,10 +87,11 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
 def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0,
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
-            gc_pauses: bool = False) -> dict:
+            gc_pauses: bool = False, evict_mib: int = 0) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
-    ``gc_pauses``, the full garbage collections during the steps too."""
+    ``gc_pauses``, the full garbage collections during the steps too; with ``evict_mib``,
+    that many MiB written before each step (untimed), as a forward leaves the caches."""
     config = FafoConfig(num_lanes=0, controller=controller, num_speculative_tokens=num_speculative_tokens,
                         pad_drafts=pad_drafts, prior_table="off")
     max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
@@ -112,6 +114,7 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     decoded = 0
     elapsed = slowest = 0.0
     collections = _FullCollections() if gc_pauses else None
+    eviction = np.ones((evict_mib << 20) // 8) if evict_mib else None
     for _ in range(steps):
         sampled = []
         for i, draft in enumerate(drafts):
@@ -123,6 +126,8 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
             num_tokens[i] += accepted + 1
             decoded += accepted + 1
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
+        if eviction is not None:
+            eviction[::8] += 1.0  # a write to every cache line
         start = time.perf_counter()
         proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)
@@ -176,6 +181,9 @@ def main() -> None:
     parser.add_argument("--pad-drafts", action="store_true", help="pad_drafts (needs --controller fixed)")
     parser.add_argument("--gc-pauses", action="store_true",
                         help="freeze the heap first (as vLLM does) and report the full garbage collections")
+    parser.add_argument("--evict-mib", type=int, default=0,
+                        help="write this many MiB before each step, untimed (96: above the L3, as a CPU forward "
+                             "leaves the caches; the engine's host time is the cold one, benchmarks/cold_calls.py)")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER[,KNEE]: the modelled forward the controller sizes drafts for "
                              "(milliseconds; KNEE: tokens a forward takes at STEP's price, as in replay_pool.py)")
@@ -193,7 +201,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
             result = measure(batch, length, args.steps, args.controller, gc_pauses=args.gc_pauses,
-                             **options)
+                             evict_mib=args.evict_mib, **options)
             gc_cells = (f" {result['full_collections']} | {result['longest_pause_ms']:.1f} | {result['tracked_objects']} |"
                         if args.gc_pauses else "")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "

@@ -104,13 +104,15 @@ def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
 
 def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):
     """The controller learns step costs from the proposer's clock: on the modelled
-    machine it drafts the same way every run, and drafts less where tokens cost more."""
+    machine it drafts the same way every run (caches evicted before each step or not),
+    and drafts less where tokens cost more."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     script = benchmark_script("proposer_step_cost")
     runs = [script.measure(4, 256, 60, "goodput", cost_ms=cost) for cost in
             ((52.0, 3.3, 3.3), (52.0, 3.3, 3.3), (10.0, 0.05, 0.05), (10.0, 20.0, 20.0))]
     assert runs[0]["tau"] == runs[1]["tau"]
     assert runs[2]["tau"] > runs[3]["tau"]
+    assert script.measure(4, 256, 60, "goodput", cost_ms=(52.0, 3.3, 3.3), evict_mib=1)["tau"] == runs[0]["tau"]
 
 
 @pytest.mark.slow  # a benchmark's own path, not the plugin's: benchmarks/matrix.py --shape

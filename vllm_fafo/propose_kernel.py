@@ -3,12 +3,12 @@
 Between two forwards the processor's caches are cold: on the 2-core CPU a
 numba call from Python cost 5-20 us before its first instruction of work
 (0.2-0.9 us warm), and 0.5-1 us more per array it takes
-(``benchmarks/cold_calls.py``, docs/results/host-time.md). :meth:`FafoProposer.propose` made eight such
-calls (the request table's settling and keeping, the draft index's filing and
-drafting, the judge's judging and queueing, the controller's learning and
-choosing); :func:`propose_step` runs the same kernels, in the same order, in
-one. Its arguments come in tuples by owner, each built by that owner's
-``kernel_arguments``.
+(``benchmarks/cold_calls.py``, docs/results/host-time.md).
+:meth:`FafoProposer.propose` made eight such calls (the request table's settling
+and keeping, the draft index's filing and drafting, the judge's judging and
+queueing, the controller's learning and choosing); :func:`propose_step` runs the
+same kernels, in the same order, in one. Its arguments come in tuples by owner,
+each built by that owner's ``kernel_arguments``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
        mode (:data:`LENGTHS_CHOSEN` ...) says.
 
     Returns (room status, keys filed, the cost curve's points, the judge's new count,
-    longest and total length chosen, drafts accepted, of them the lanes'). A status other than ``ROOM_OK`` changed nothing: the
-    caller grows what lacks room and calls again."""
+    longest and total length chosen, drafts accepted, of them the lanes'). A status
+    other than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what
+    lacks room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = table
     accepted_counts, proposed_counts, draft_counts, pad, lane = counts

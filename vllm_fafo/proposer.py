@@ -570,9 +570,8 @@ class FafoProposer:
                 break
             if status == propose_kernel.ROOM_JUDGE:
                 self.judge.make_room(count, int(slots.max(initial=0)))
-            else:
-                num_tokens = num_tokens_no_spec[numbers[1]].astype(np.int64)
-                self.index.make_room(status, num_keys, self._table.owners[slots], num_tokens,
+            else:  # the kernel wrote the text lengths (numbers[4]) before it found the index short
+                self.index.make_room(status, num_keys, self._table.owners[slots], numbers[4],
                                      self.num_speculative_tokens, self.max_model_len)
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")

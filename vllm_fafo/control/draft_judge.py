@@ -62,9 +62,7 @@ class DraftJudge:
         lengths = as_int64(lengths)
         if tokens.shape[1] > self.max_draft and int(lengths.max(initial=0)) > self.max_draft:
             raise ValueError(f"a draft of {int(lengths.max())} tokens; the judge holds at most {self.max_draft}")
-        if self._count + len(lengths) > len(self._table):
-            self._table = np.concatenate([self._table, np.zeros_like(self._table[: self._count + len(lengths)])])
-            self._judged = np.zeros((3, len(self._table)), dtype=np.int64)
+        self.make_room(len(lengths), -1)
         self._count = queue_drafts(self._table, self._count, as_int64(slots), as_int64(starts),
                                    np.ascontiguousarray(tokens), lengths, as_int64(key_lens))
 
@@ -80,7 +78,7 @@ class DraftJudge:
         judged = self._judged
         count = judge_drafts(self._table, self._count, slots, rows, self._index_of_slot, num_tokens, token_ids, judged)
         if count < 0:  # a slot past the scratch: grown once
-            self._index_of_slot = np.zeros(2 * (int(slots.max()) + 1), dtype=np.int64)
+            self.make_room(0, int(slots.max()))
             count = judge_drafts(self._table, self._count, slots, rows, self._index_of_slot, num_tokens, token_ids,
                                  judged)
         self._count -= count

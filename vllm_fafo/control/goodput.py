@@ -565,10 +565,13 @@ class GoodputController:
         self.last.lanes, self.last.probe = best, probed
         return best
 
-    def _plain_cost(self) -> StepCostModel:
+    def _plain_cost(self, gaining: StepCostModel | None = None) -> StepCostModel:
         """The curve steps without lanes or branches are priced by: their own, or, where
-        lanes ran in every recent step (its points all forgotten), the lane steps'."""
-        return self.cost if self.cost.has_data or not self.lane_cost.has_data else self.lane_cost
+        lanes ran in every recent step (its points all forgotten), the lane steps'; as
+        they will be once ``gaining`` has observed a step (None: as they are)."""
+        if self.cost.has_data or gaining is self.cost:
+            return self.cost
+        return self.lane_cost if self.lane_cost.has_data or gaining is self.lane_cost else self.cost
 
     def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree
@@ -726,14 +729,10 @@ class GoodputController:
         where ``choose``, the drafts are cut as :meth:`choose_draft_lens` would cut them (as
         found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts."""
         observed = self._curve_of(lane_tokens, tree_tokens)
-        gains_data = tokens >= 1  # what observing the step adds
-        self._observed = observed if gains_data else None
-        cost_has_data = self.cost.has_data or (gains_data and observed is self.cost)
-        lane_has_data = self.lane_cost.has_data or (gains_data and observed is self.lane_cost)
-        plain = self.cost if cost_has_data or not lane_has_data else self.lane_cost  # _plain_cost, after it
-        lane_curve = self.lane_cost
+        self._observed = observed if tokens >= 1 else None  # a step of no tokens teaches nothing
+        plain, lane_curve = self._plain_cost(self._observed), self.lane_cost
         lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
-        plain_has_data = cost_has_data if plain is self.cost else lane_has_data
+        plain_has_data = plain.has_data or plain is self._observed
         mode = (LENGTHS_LATER if not choose else
                 LENGTHS_CHOSEN if requests and (lanes_on or plain_has_data) else LENGTHS_FOUND)
         if len(self._lengths) < requests:

@@ -224,6 +224,18 @@ def plugin_state(url: str) -> dict[str, float]:
     return state
 
 
+def shared_key_bound(spec: dict | None) -> int:
+    """Keys the shared pools may hold over all tenants under ``spec`` (each tenant's
+    ``shared_pool_mib`` in keys, times ``shared_pool_tenants``); 0 where it has none."""
+    from vllm_fafo.config import FafoConfig
+    from vllm_fafo.drafting.index import DraftIndex
+
+    if not spec or spec.get("method") != "fafo":
+        return 0  # lookahead and cacheback keep per-request pools only
+    config = FafoConfig.from_user_dict(spec)
+    return DraftIndex(config).shared.max_keys * config.shared_pool_tenants if config.share_pool else 0
+
+
 def state_left_behind(state: dict[str, float], shared_pool_keys: int) -> list[str]:
     """What the plugin still holds after every request ended (empty: nothing)."""
     problems = [f"{name} = {state[name]:g}" for name in ("requests_tracked", "requests_with_region") if state[name]]
@@ -246,7 +258,6 @@ def fixed_greedy_text(url: str) -> str:
 
 def soak(args: argparse.Namespace, spec: dict | None, out: Path) -> dict:
     """One server soaked (``spec`` None: plain vLLM); its report, also in ``out``/soak.json."""
-    from vllm_fafo.config import FafoConfig
     from vllm_fafo.modes import METHODS
     from vllm_fafo.tools.assets import load_prompts, smollm2_dir
 
@@ -286,9 +297,7 @@ def soak(args: argparse.Namespace, spec: dict | None, out: Path) -> dict:
         server.stop()
     growth = rss[-1][1] - rss[0][1] if rss else 0.0
     growth_kib_per_token = growth * 1024 / max(1, load.tokens)
-    # lookahead and cacheback keep per-request pools only: their shared pool must stay empty
-    shared_bound = FafoConfig.from_user_dict(spec).shared_pool_keys if spec and spec.get("method") == "fafo" else 0
-    left_behind = [] if state is None else state_left_behind(state, shared_bound)
+    left_behind = [] if state is None else state_left_behind(state, shared_key_bound(spec))
     report = {
         "speculative_config": spec,
         "concurrency": args.concurrency,

@@ -44,7 +44,7 @@ def test_text_ngram_len_sets_the_text_candidates_length():
         ("max_lane_requests", 0, "['max_lane_requests']=0 is out of range"),
         ("prompt_lookup_max", 4, "unknown key 'prompt_lookup_max'"),
         ("share_pool", "no", "['share_pool']='no' must be true or false"),
-        ("shared_pool_keys", 0, "['shared_pool_keys']=0 is out of range"),
+        ("shared_pool_mib", 0, "['shared_pool_mib']=0 is out of range"),
         ("shared_pool_tenants", 0, "['shared_pool_tenants']=0 is out of range"),
         ("shared_pool_tenants", 1.5, "must be an integer"),
         ("tenant_answers_mib", -1, "['tenant_answers_mib']=-1 is out of range"),
@@ -153,6 +153,7 @@ def test_removed_keys_say_why_they_went():
     for key, value, why in (("text_source", "suffix_tree", "deep matches of the text are always drafted first"),
                             ("suffix_tree_cached_requests", 10, "tenant_answers_mib bounds the answers kept"),
                             ("cached_answers", 10000, "bounded in bytes per tenant: tenant_answers_mib"),
+                            ("shared_pool_keys", 65536, "bounded in bytes per tenant: shared_pool_mib"),
                             ("runner_up_tokens", 4, "added no tau"),
                             ("rank_candidates", "recency", "ranked by votes"),
                             ("text_ngram_len", 0, "4 tokens")):

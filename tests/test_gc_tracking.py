@@ -48,7 +48,7 @@ def text(seed: int = 0) -> list[int]:
 
 def test_pools_keep_no_tracked_object_per_key():
     def build():
-        index = index_for(share_pool=True, shared_pool_keys=TOKENS, text_ngram_len=16)
+        index = index_for(share_pool=True, text_ngram_len=16)
         history = text()
         own, shared = index.new_pools("r", None, np.array(history[: TOKENS // 2]))
         file_and_draft_one(index, (own, shared), history, prompt_len=TOKENS // 2)

@@ -182,8 +182,7 @@ class _ReferenceTenants:
         return self.pools[tenant]
 
     def trim(self) -> None:
-        while len(self.pools) > 1 and (len(self.pools) > self.max_tenants
-                                       or sum(map(len, self.pools.values())) > self.max_keys):
+        while len(self.pools) > self.max_tenants:
             self.pools.popitem(last=False)
 
 
@@ -197,8 +196,9 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     prior = rng.integers(-1, 12, size=(12, 2)).astype(np.int32)
     prior[:, 0] = np.abs(prior[:, 0])
     prior[rng.random(12) < 0.3] = -1  # tokens the table has nothing for
-    config = FafoConfig(shared_pool_keys=60, tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
+    config = FafoConfig(tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
     index = DraftIndex(config, prior=PriorTable(prior))
+    index.shared.max_keys = 60  # each tenant's bound, as shared_pool_mib sets it: evictions happen
     index.texts.answer_bytes = answer_bytes  # 40,000: about three answers of a tenant
     shared_refs = _ReferenceTenants(setting, max_keys=60, max_tenants=config.shared_pool_tenants)
     ref_texts = reference_deep_match.TenantTexts(answer_bytes, config.shared_pool_tenants, config.max_key_len + 1,

@@ -109,7 +109,8 @@ def test_alternatives_go_key_length_then_pool_then_recency_each_once():
 
 
 def test_tenants_are_kept_apart_and_the_least_recent_tenant_is_dropped():
-    tenants = TenantPools(PoolArena(2, 4), max_keys=100, max_tenants=2)
+    arena = PoolArena(2, 4)
+    tenants = TenantPools(arena, max_bytes=100 * arena.bytes_per_key(), max_tenants=2)
     tenants.pool_for("a").add([1], (2,), Origin.OUTPUT)
     assert tenants.pool_for("b").match([1]) is None
     assert tenants.pool_for(None).match([1]) is None  # unsalted is its own tenant
@@ -117,16 +118,22 @@ def test_tenants_are_kept_apart_and_the_least_recent_tenant_is_dropped():
     assert tenants.pool_for("a").match([1]) is None
 
 
-def test_keys_are_bounded_over_all_tenants_by_dropping_the_least_recent():
-    tenants = TenantPools(PoolArena(1, 4), max_keys=10, max_tenants=8)
-    for tenant in ("a", "b", "c"):
-        pool = tenants.pool_for(tenant)
-        for token in range(6):
-            pool.add([token], (token + 1,), Origin.OUTPUT)
+def test_each_tenant_is_bounded_in_bytes_and_never_evicts_another():
+    arena = PoolArena(1, 4)
+    per_key = arena.bytes_per_key()  # a key at its full 4 candidates
+    tenants = TenantPools(arena, max_bytes=10 * per_key + per_key // 2, max_tenants=8)
+    assert tenants.max_keys == 10
+    tenants.pool_for("quiet").add([100], (101,), Origin.OUTPUT)
+    busy = tenants.pool_for("busy")
+    for token in range(30):
+        busy.add([token], (token + 1,), Origin.OUTPUT)
         tenants.trim()
-        assert tenants.num_keys() <= 10
-    assert tenants.num_tenants == 1 and tenants.pool_for("c").match([5]) is not None
-    assert tenants.pool_for("b").match([5]) is None  # dropped whole, starts afresh
+    assert len(busy) == 10 and busy.nbytes() <= 10 * per_key + per_key // 2
+    assert busy.match([29]) is not None and busy.match([19]) is None  # the least recently used went first
+    assert tenants.pool_for("quiet").match([100]) is not None  # the busy tenant evicted only its own
+    assert tenants.num_tenants == 2 and tenants.nbytes() == 11 * per_key
+    with pytest.raises(ValueError, match="one key"):
+        TenantPools(arena, max_bytes=per_key - 1, max_tenants=1)
 
 
 def _announce_and_run(proposer, req_id, prompt, salt, sampled):
@@ -152,15 +159,15 @@ def test_a_later_request_drafts_from_an_earlier_one_of_its_tenant_only():
 
 
 def test_shared_pool_memory_stops_growing_over_ten_thousand_requests():
-    max_keys = 2000
     # Short requests (8 tokens) file n-grams only with short candidates.
-    proposer = make_proposer(shared_pool_keys=max_keys, num_speculative_tokens=4)
+    proposer = make_proposer(shared_pool_mib=1, num_speculative_tokens=4)
     sizes = []
     for i in range(10_000):
         prompt = [(i * 7 + j * 13) % 5003 for j in range(6)]
         _announce_and_run(proposer, f"r{i}", prompt, None, [[i % 5003], [(i + 1) % 5003]])
         if i % 2500 == 2499:
-            sizes.append((proposer.shared.num_keys(), proposer.shared.nbytes()))
+            sizes.append((proposer.shared.num_keys(), proposer.shared.nbytes(), proposer.index.arena.nbytes()))
     assert proposer.num_tracked_requests == 0
-    assert all(keys == max_keys for keys, _ in sizes)
-    assert max(nbytes for _, nbytes in sizes) <= 1.05 * sizes[0][1]
+    assert all(keys == proposer.shared.max_keys for keys, _, _ in sizes)
+    assert all(charged <= 1 << 20 for _, charged, _ in sizes)
+    assert max(allocated for _, _, allocated in sizes) <= 1.05 * sizes[0][2]  # the arena stopped growing

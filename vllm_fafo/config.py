@@ -82,11 +82,11 @@ class FafoConfig:
     """Also file every request's n-grams into a pool shared by the requests of its
     tenant (vLLM's ``cache_salt``; unsalted requests share one), drafted from after
     the request's own pool under each key (vllm_fafo.drafting.shared_pool)."""
-    shared_pool_keys: int = 65536
-    """Keys the shared pools hold over all tenants (about 0.1 kB each with one candidate, 0.44 kB with
-    ``pool_capacity`` candidates, ``PoolArena.bytes_per_key``; the arrays grow geometrically): a tenant's least
-    recently used key is evicted at this many, and the least recently used tenants are dropped while all of
-    them hold more."""
+    shared_pool_mib: int = 16
+    """MiB each tenant's shared pool holds (vllm_fafo.drafting.shared_pool): every key is charged
+    as if it held ``pool_capacity`` candidates (``PoolArena.bytes_per_key``, 0.44 kB by
+    default), and the tenant's least recently used key is evicted past the bound. At most
+    ``shared_pool_tenants`` tenants are kept."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
     tenant_answers_mib: int = 16
@@ -222,7 +222,7 @@ class FafoConfig:
             )
         check_int("min_key_len", self.min_key_len, 1, self.max_key_len)
         check_bool("share_pool", self.share_pool)
-        check_int("shared_pool_keys", self.shared_pool_keys, 1, 1 << 30)
+        check_int("shared_pool_mib", self.shared_pool_mib, 1, 1 << 20)
         check_int("shared_pool_tenants", self.shared_pool_tenants, 1, 1 << 16)
         check_int("max_keys", self.max_keys, 0, 1 << 30)
         check_bool("touch_on_lookup", self.touch_on_lookup)
@@ -366,7 +366,7 @@ def platform_defaults_line(applied: dict[str, Any], settings: dict[str, Any], on
 USER_KEYS = (
     "num_speculative_tokens", "max_key_len", "pool_capacity", "seed_from_prompt", "num_lanes",
     "lane_len", "compression", "sink_tokens", "kv_budget", "max_lane_requests", "controller",
-    "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_keys", "shared_pool_tenants",
+    "num_candidates", "max_tree_tokens", "share_pool", "shared_pool_mib", "shared_pool_tenants",
     "tenant_answers_mib", "pad_drafts", "prior_table",
 )
 """Keys of ``{"method": "fafo", ...}`` (besides ``method`` and the policy's own)."""
@@ -376,6 +376,7 @@ REMOVED_KEYS = {
                    "alone and Arctic Inference's suffix trees, had less tau on every replayed set)",
     "suffix_tree_cached_requests": "the suffix trees are gone; tenant_answers_mib bounds the answers kept",
     "cached_answers": "the answers kept are bounded in bytes per tenant: tenant_answers_mib",
+    "shared_pool_keys": "the shared pools are bounded in bytes per tenant: shared_pool_mib",
     "runner_up_tokens": "the target's runner-up tokens added no tau where the prior table drafts",
     "rank_candidates": "candidates are ranked by votes (recency had less tau on two of three sets)",
     "text_ngram_len": "text n-grams are 4 tokens (whole drafts had less tau on every replayed set)",

@@ -70,7 +70,7 @@ class DraftIndex:
                                touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates,
                                candidate_len=max(config.ngram_len, config.lane_len))
         self.shared = None if not config.share_pool else TenantPools(
-            self.arena, max_keys=config.shared_pool_keys, max_tenants=config.shared_pool_tenants)
+            self.arena, max_bytes=config.shared_pool_mib << 20, max_tenants=config.shared_pool_tenants)
         self.texts = tenant_texts(config)
         self.frozen = frozen
         self._frozen_state = None if frozen is None else frozen.arena.state
@@ -183,7 +183,7 @@ class DraftIndex:
             raise ValueError(f"unknown room status {status}")
 
     def finish_step(self) -> None:
-        """After the step's filing: the tenants' shared pools back within their bounds."""
+        """After the step's filing: no more tenants than the bound."""
         if self.shared is not None:
             self.shared.trim()
 

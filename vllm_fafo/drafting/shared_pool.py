@@ -10,13 +10,14 @@ request's own pool is looked up first under every key
 
 A tenant is vLLM's ``cache_salt`` (the same value that isolates prefix-cache
 blocks): requests only see candidates of requests with the same salt;
-requests without one share the unsalted pool. Memory is bounded by keys over
-all tenants: each tenant's pool keeps at most ``max_keys`` keys (least
-recently used evicted, each key at most ``capacity`` candidates), and once a
-step the least recently used tenants are dropped whole while all tenants
-together hold more than ``max_keys`` keys or there are more than
-``max_tenants`` (a dropped tenant's running requests keep filing into its
-pool until they finish; new requests of that tenant start afresh).
+requests without one share the unsalted pool. Memory is bounded in bytes per
+tenant: each key is charged what it takes with ``capacity`` candidates (its
+most; :meth:`PoolArena.bytes_per_key`), so a tenant's pool keeps at most
+``max_bytes // bytes_per_key`` keys, its least recently used key evicted past
+them; one tenant's traffic never evicts another's keys. Once a step the least
+recently used tenants are dropped whole while there are more than
+``max_tenants`` (a dropped tenant's running requests keep filing into its pool
+until they finish; new requests of that tenant start afresh).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ class TenantPools:
     The pools live in ``arena`` (the requests' own pools' arena, so one kernel call
     drafts from both) and take its settings."""
 
-    def __init__(self, arena: PoolArena, *, max_keys: int, max_tenants: int) -> None:
-        if max_keys < 1 or max_tenants < 1:
-            raise ValueError(f"need max_keys={max_keys} >= 1 and max_tenants={max_tenants} >= 1")
+    def __init__(self, arena: PoolArena, *, max_bytes: int, max_tenants: int) -> None:
+        per_key = arena.bytes_per_key()
+        if max_bytes < per_key or max_tenants < 1:
+            raise ValueError(f"need max_bytes={max_bytes} >= {per_key} (one key) and max_tenants={max_tenants} >= 1")
         self.arena = arena
-        self.max_keys = max_keys
+        self.max_keys = max_bytes // per_key
+        """Keys each tenant's pool holds (its bytes' bound, each key charged at full capacity)."""
         self.max_tenants = max_tenants
         self._pools: OrderedDict[str | None, NgramPool] = OrderedDict()
 
@@ -53,9 +56,8 @@ class TenantPools:
         return pool
 
     def trim(self) -> None:
-        """Drop least recently used tenants while there are too many or they hold more
-        than ``max_keys`` keys together (the most recent one is bounded by its own cap)."""
-        while len(self._pools) > 1 and (len(self._pools) > self.max_tenants or self.num_keys() > self.max_keys):
+        """Drop least recently used tenants while there are more than ``max_tenants``."""
+        while len(self._pools) > self.max_tenants:
             self._pools.popitem(last=False)
 
     @property
@@ -63,7 +65,7 @@ class TenantPools:
         return len(self._pools)
 
     def num_keys(self) -> int:
-        """Keys held over all tenants (at most ``max_keys`` after :meth:`trim`)."""
+        """Keys held over all tenants (at most ``max_keys`` each)."""
         return sum(map(len, self._pools.values()))
 
     def num_entries(self) -> int:
@@ -71,7 +73,7 @@ class TenantPools:
         return sum(pool.num_entries() for pool in self._pools.values())
 
     def nbytes(self) -> int:
-        """Bytes the tenants' keys and candidates take in the arena."""
+        """Bytes the tenants' keys are charged (each at full capacity; the bound's measure)."""
         return sum(pool.nbytes() for pool in self._pools.values())
 
     def clear(self) -> None:

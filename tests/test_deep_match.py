@@ -160,7 +160,7 @@ def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
 
 
 def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
-    index = DraftIndex(FafoConfig())  # max_key_len 4: deep matches are 5 or more deep
+    index = DraftIndex(FafoConfig(max_key_len=4))  # deep matches are 5 or more deep
     text = np.array([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # "1 2 3 4" again, 4 deep
     pools = index.new_pools("r", None, text)  # nothing filed: the pools hold nothing
     assert file_and_draft_one(index, pools, text, len(text), next_anchor=len(text), room=16) == ([], [], 0)
@@ -169,7 +169,7 @@ def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
 def test_config() -> None:
     assert FafoConfig().deep_match
     assert longest_match(FafoConfig()) == DEPTH
-    assert longest_match(FafoConfig(deep_match=False)) == 4
+    assert longest_match(FafoConfig(deep_match=False)) == FafoConfig.max_key_len
     assert tenant_texts(FafoConfig(deep_match=False)) is None
     with pytest.raises(FafoConfigError, match=r"max_key_len.*=24: deep matches are up to 24 .*allowed: 1 to 23"):
         FafoConfig.from_user_dict({"method": "fafo", "max_key_len": 24})

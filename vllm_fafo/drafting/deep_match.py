@@ -1,8 +1,8 @@
 """Deep matches of a request's current suffix in its own text and its tenant's answers.
 
-The pool files candidates under keys of at most ``max_key_len`` (4) tokens,
-so a lookup cannot tell a continuation that followed the same 4 tokens by
-chance from one that followed the same 20: both are "found under a 4-token
+The pool files candidates under keys of at most ``max_key_len`` (3) tokens,
+so a lookup cannot tell a continuation that followed the same 3 tokens by
+chance from one that followed the same 20: both are "found under a 3-token
 key", and the goodput controller cuts both drafts alike. Deep matches look
 up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does:
 every ``key_len``-token key of a text is filed with the latest

@@ -196,7 +196,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     prior = rng.integers(-1, 12, size=(12, 2)).astype(np.int32)
     prior[:, 0] = np.abs(prior[:, 0])
     prior[rng.random(12) < 0.3] = -1  # tokens the table has nothing for
-    config = FafoConfig(tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
+    config = FafoConfig(max_key_len=setting["max_key_len"], tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
     index = DraftIndex(config, prior=PriorTable(prior))
     index.shared.max_keys = 60  # each tenant's bound, as shared_pool_mib sets it: evictions happen
     index.texts.answer_bytes = answer_bytes  # 40,000: about three answers of a tenant

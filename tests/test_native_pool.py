@@ -227,7 +227,6 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
             want.append(_reference_step(req["refs"], ref_texts, req["id"], prior, req["text"].tolist(), req["n"], 20,
                                         req["ref_anchor"], ngram_len, room))
             req["ref_anchor"] = max(req["ref_anchor"], req["n"] - ngram_len)
-        shared_refs.trim()
         anchors = np.array([req["anchor"] for req in live], dtype=np.int64)
         found = index.draft_batch(np.arange(len(live)), np.stack([index.owners(req["id"], req["pools"]) for req in live]),
                                   np.full(len(live), 20), anchors, np.stack([req["text"] for req in live]),

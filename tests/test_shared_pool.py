@@ -127,7 +127,6 @@ def test_each_tenant_is_bounded_in_bytes_and_never_evicts_another():
     busy = tenants.pool_for("busy")
     for token in range(30):
         busy.add([token], (token + 1,), Origin.OUTPUT)
-        tenants.trim()
     assert len(busy) == 10 and busy.nbytes() <= 10 * per_key + per_key // 2
     assert busy.match([29]) is not None and busy.match([19]) is None  # the least recently used went first
     assert tenants.pool_for("quiet").match([100]) is not None  # the busy tenant evicted only its own

@@ -576,7 +576,6 @@ class FafoProposer:
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
-        self.index.finish_step()
         return choice[0], longest, total, cost_points, accepted, lane_accepted
 
     def _load_step_kernel(self) -> None:

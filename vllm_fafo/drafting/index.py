@@ -144,7 +144,6 @@ class DraftIndex:
             self.make_room(status, num_keys, owners[slots], num_tokens, max_draft, max_len)
         else:
             raise RuntimeError(f"DraftIndex.draft_batch: the step's kernel still lacks room ({status}) after growing")
-        self.finish_step()
         return self.drafts(len(rows))
 
     def drafts(self, count: int) -> BatchDrafts:
@@ -157,7 +156,7 @@ class DraftIndex:
         """:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`'s arguments but the batch's,
         as two tuples (the index's, the outputs'), as
         :func:`~vllm_fafo.propose_kernel.propose_step` takes them (:meth:`make_room` where it
-        lacks room, :meth:`finish_step` after)."""
+        lacks room)."""
         texts = self._no_texts
         if self.texts is not None:
             t = self.texts
@@ -181,11 +180,6 @@ class DraftIndex:
             self.texts.make_room(owners[:, 2].copy(), num_tokens)
         else:
             raise ValueError(f"unknown room status {status}")
-
-    def finish_step(self) -> None:
-        """After the step's filing: no more tenants than the bound."""
-        if self.shared is not None:
-            self.shared.trim()
 
     def _new_outputs(self, count: int, width: int) -> tuple[np.ndarray, ...]:
         """The kernel's outputs for ``count`` requests of drafts up to ``width`` tokens, and its context."""

@@ -14,10 +14,10 @@ requests without one share the unsalted pool. Memory is bounded in bytes per
 tenant: each key is charged what it takes with ``capacity`` candidates (its
 most; :meth:`PoolArena.bytes_per_key`), so a tenant's pool keeps at most
 ``max_bytes // bytes_per_key`` keys, its least recently used key evicted past
-them; one tenant's traffic never evicts another's keys. Once a step the least
-recently used tenants are dropped whole while there are more than
-``max_tenants`` (a dropped tenant's running requests keep filing into its pool
-until they finish; new requests of that tenant start afresh).
+them; one tenant's traffic never evicts another's keys. A new tenant drops the
+least recently used ones whole while there are more than ``max_tenants`` (a
+dropped tenant's running requests keep filing into its pool until they
+finish; new requests of that tenant start afresh).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ class TenantPools:
             pool = self._pools[tenant] = NgramPool(
                 arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len, max_keys=self.max_keys,
                 touch_on_lookup=arena.touch_on_lookup, rank=arena.rank, arena=arena)
-            self.trim()
+            self._drop_least_recent_tenants()
         else:
             self._pools.move_to_end(tenant)
         return pool
 
-    def trim(self) -> None:
+    def _drop_least_recent_tenants(self) -> None:
         """Drop least recently used tenants while there are more than ``max_tenants``."""
         while len(self._pools) > self.max_tenants:
             self._pools.popitem(last=False)

@@ -50,15 +50,11 @@ class TenantPools:
             pool = self._pools[tenant] = NgramPool(
                 arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len, max_keys=self.max_keys,
                 touch_on_lookup=arena.touch_on_lookup, rank=arena.rank, arena=arena)
-            self._drop_least_recent_tenants()
+            if len(self._pools) > self.max_tenants:  # one tenant more than the bound: the least recent goes
+                self._pools.popitem(last=False)
         else:
             self._pools.move_to_end(tenant)
         return pool
-
-    def _drop_least_recent_tenants(self) -> None:
-        """Drop least recently used tenants while there are more than ``max_tenants``."""
-        while len(self._pools) > self.max_tenants:
-            self._pools.popitem(last=False)
 
     @property
     def num_tenants(self) -> int:

@@ -22,6 +22,16 @@ host time measured, repeat run to run.
     python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --history 128 --evict-mib 96  # caches cold, as in an engine
 
+``--ngram`` also drives vLLM's ``ngram`` proposer (``NgramProposer``, the matrix's
+``ngram`` settings: 4 draft tokens, n-grams of 2 to 4) over the same texts, batch and
+cache eviction, each step its drafts' accepted prefix plus one token, and reports its
+``propose`` time per step, its tau and FAFO's time over it: the issue's target,
+measured without an engine's noise. With ``--evict-mib`` 0 the caches stay warm (as on
+a GPU host, whose forwards leave the processor's caches to it), with 96 they are cold
+(as after a CPU forward).
+
+    python benchmarks/proposer_step_cost.py --batch-sizes 1,8,32,128 --history 128,8192 --ngram --evict-mib 96
+
 ``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
 freezes its start-up heap, so that the garbage collector's full collections walk
 only what the proposer made since, and reports them: how many ran during the
@@ -84,6 +94,61 @@ def make_proposer(config: FafoConfig, max_model_len: int) -> FafoProposer:
     ))
 
 
+def texts(batch: int, history_len: int, steps: int, num_speculative_tokens: int,
+          rng: np.random.Generator) -> np.ndarray:
+    """The batch's texts (rows, as vLLM's ``token_ids_cpu``), long enough for ``steps``
+    steps that each take up to ``num_speculative_tokens`` + 1 tokens."""
+    max_len = history_len + steps * (num_speculative_tokens + 1) + 8
+    return np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
+
+
+def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:
+    """Each request's sampled tokens, the text's next ones: its draft's matching prefix
+    plus one (greedy verification); advances ``num_tokens`` by them."""
+    sampled = []
+    for i, draft in enumerate(drafts):
+        truth = rows[i, num_tokens[i] : num_tokens[i] + len(draft) + 1].tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[accepted]:
+            accepted += 1
+        sampled.append(truth[: accepted + 1])
+        num_tokens[i] += accepted + 1
+    return sampled
+
+
+def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict_mib: int = 0) -> dict:
+    """:func:`measure` for vLLM's ``ngram`` proposer (the matrix's settings) over the same
+    texts: its ``propose`` per step, and its tau."""
+    from matrix import NGRAM_SPEC
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    k = NGRAM_SPEC["num_speculative_tokens"]
+    rows = texts(batch, history_len, steps, FafoConfig.num_speculative_tokens, np.random.default_rng(seed))
+    max_len = rows.shape[1]
+    proposer = NgramProposer(SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, prompt_lookup_min=NGRAM_SPEC["prompt_lookup_min"],
+                                           prompt_lookup_max=NGRAM_SPEC["prompt_lookup_max"]),
+        model_config=SimpleNamespace(max_model_len=max_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=max(batch, 1024)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    ))
+    num_tokens = np.full(batch, history_len, dtype=np.int32)
+    sampled = [[int(row[history_len - 1])] for row in rows]  # the prefill's token
+    eviction = np.ones((evict_mib << 20) // 8) if evict_mib else None
+    decoded, elapsed = 0, 0.0
+    drafts = proposer.propose(k, sampled, num_tokens, rows)
+    for _ in range(steps):
+        before = int(num_tokens.sum())
+        sampled = accepted_tokens(rows, num_tokens, drafts)
+        decoded += int(num_tokens.sum()) - before
+        if eviction is not None:
+            eviction[::8] += 1.0  # a write to every cache line
+        start = time.perf_counter()
+        drafts = proposer.propose(k, sampled, num_tokens, rows)
+        elapsed += time.perf_counter() - start
+    return {"us_per_step": elapsed / steps * 1e6, "tau": decoded / (steps * batch)}
+
+
 def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0,
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
@@ -94,9 +159,9 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     that many MiB written before each step (untimed), as a forward leaves the caches."""
     config = FafoConfig(num_lanes=0, controller=controller, num_speculative_tokens=num_speculative_tokens,
                         pad_drafts=pad_drafts, prior_table="off")
-    max_len = history_len + steps * (config.num_speculative_tokens + 1) + 8
     rng = np.random.default_rng(seed)
-    rows = np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
+    rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
+    max_len = rows.shape[1]
     if gc_pauses:
         gc.collect()
         gc.freeze()
@@ -116,15 +181,9 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     collections = _FullCollections() if gc_pauses else None
     eviction = np.ones((evict_mib << 20) // 8) if evict_mib else None
     for _ in range(steps):
-        sampled = []
-        for i, draft in enumerate(drafts):
-            truth = rows[i, num_tokens[i] : num_tokens[i] + len(draft) + 1].tolist()
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == truth[accepted]:
-                accepted += 1
-            sampled.append(truth[: accepted + 1])
-            num_tokens[i] += accepted + 1
-            decoded += accepted + 1
+        before = int(num_tokens.sum())
+        sampled = accepted_tokens(rows, num_tokens, drafts)
+        decoded += int(num_tokens.sum()) - before
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
         if eviction is not None:
             eviction[::8] += 1.0  # a write to every cache line
@@ -184,6 +243,8 @@ def main() -> None:
     parser.add_argument("--evict-mib", type=int, default=0,
                         help="write this many MiB before each step, untimed (96: above the L3, as a CPU forward "
                              "leaves the caches; the engine's host time is the cold one, benchmarks/cold_calls.py)")
+    parser.add_argument("--ngram", action="store_true",
+                        help="also vLLM's ngram proposer over the same texts, batch and eviction, and FAFO's time over it")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER[,KNEE]: the modelled forward the controller sizes drafts for "
                              "(milliseconds; KNEE: tokens a forward takes at STEP's price, as in replay_pool.py)")
@@ -195,17 +256,26 @@ def main() -> None:
     options = {"cost_ms": cost_ms, "num_speculative_tokens": args.num_speculative_tokens,
                "pad_drafts": args.pad_drafts}
     measure(1, 128, 100, args.controller, **options)  # the process's first steps run slower
+    if args.ngram:
+        measure_ngram(1, 128, 100)  # its first steps too
     gc_columns = " full collections | longest pause ms | tracked objects after |" if args.gc_pauses else ""
-    print(f"| batch | history tokens | us per step | us per request-step | tau | slowest step ms |{gc_columns}")
-    print("|---" * (6 + 3 * args.gc_pauses) + "|")
+    ngram_columns = " ngram us per step | ngram tau | fafo / ngram |" if args.ngram else ""
+    print(f"| batch | history tokens | us per step | us per request-step | tau | slowest step ms |{gc_columns}"
+          f"{ngram_columns}")
+    print("|---" * (6 + 3 * args.gc_pauses + 3 * args.ngram) + "|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
             result = measure(batch, length, args.steps, args.controller, gc_pauses=args.gc_pauses,
                              evict_mib=args.evict_mib, **options)
             gc_cells = (f" {result['full_collections']} | {result['longest_pause_ms']:.1f} | {result['tracked_objects']} |"
                         if args.gc_pauses else "")
+            ngram_cells = ""
+            if args.ngram:
+                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib)
+                ngram_cells = (f" {ngram['us_per_step']:.1f} | {ngram['tau']:.2f} "
+                               f"| {result['us_per_step'] / ngram['us_per_step']:.2f} |")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
-                  f"| {result['tau']:.2f} | {result['slowest_step_ms']:.1f} |{gc_cells}")
+                  f"| {result['tau']:.2f} | {result['slowest_step_ms']:.1f} |{gc_cells}{ngram_cells}")
 
 
 if __name__ == "__main__":

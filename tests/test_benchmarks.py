@@ -88,7 +88,7 @@ def test_branch_attention_cost_command_runs_and_its_three_ways_agree():
 def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     command = [
         sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"),
-        "--batch-sizes", "1,4", "--history", "256", "--steps", "50", "--gc-pauses",
+        "--batch-sizes", "1,4", "--history", "256", "--steps", "50", "--gc-pauses", "--ngram",
     ]
     result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
@@ -100,6 +100,9 @@ def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
         assert float(row[5]) > 0
         int(row[6]), float(row[7])  # full collections and their longest pause: numbers in their columns
         assert int(row[8]) < 2000  # the proposer's state is not on the collector's lists (tests/test_gc_tracking.py)
+        # --ngram: vLLM's ngram proposer over the same texts: its time, its tau (drafts accepted), FAFO's over it
+        assert float(row[9]) > 0 and float(row[10]) > 1.0
+        assert abs(float(row[11]) - float(row[2]) / float(row[9])) < 0.01 + 0.01 * float(row[11])
 
 
 def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):

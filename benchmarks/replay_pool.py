@@ -177,8 +177,9 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         next_anchors = np.array([request.next_anchor for request in running], dtype=np.int64)
         owners = np.stack([index.owners(request.req_id, request.pools) for request in running])
         batch = np.arange(len(running))
+        room = k if controller is None else controller.draft_room()
         found = index.draft_batch(batch, owners, np.array([request.prompt_len for request in running], dtype=np.int64),
-                                  next_anchors, _stacked(running), batch, num_tokens, k, int(num_tokens.max()) + k)
+                                  next_anchors, _stacked(running), batch, num_tokens, room, int(num_tokens.max()) + k)
         key_lens = found.key_lens.tolist()
         drafts, contexts = [], []
         for i, request in enumerate(running):

@@ -18,6 +18,7 @@ import pytest
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import (
     LANE_YIELD_UNSEEN,
+    MIN_DRAFT_ROOM,
     FixedController,
     GoodputController,
     StepCostModel,
@@ -531,6 +532,42 @@ def test_realised_goodput_near_the_best_fixed_setting(machine, share):
     controller = GoodputController(LANE_LEN, MAX_DRAFT, MAX_KEY_LEN)
     got, _ = simulate(machine, controller, 3000)
     assert got >= share * best_fixed(machine, 3000)
+
+
+def test_drafts_are_found_in_twice_the_longest_chosen_and_the_room_grows_back_when_tokens_get_cheap():
+    """:meth:`GoodputController.draft_room`: drafts are found only as long as the controller
+    may choose next (twice its longest, at least MIN_DRAFT_ROOM); the judge learns each
+    position from the drafts that reached it, so a short room does not teach it that long
+    drafts fail, and where tokens get cheap the room doubles a step back to the most."""
+    longest = 16
+    controller = GoodputController(LANE_LEN, longest, MAX_KEY_LEN)
+    assert controller.draft_room() == longest  # nothing chosen yet: drafts found whole
+    assert FixedController(longest).draft_room() == longest
+    rng = np.random.default_rng(0)
+
+    def run(machine: Machine, steps: int) -> list[int]:
+        rooms, draft_lens = [], np.full(1, longest)
+        for _ in range(steps):
+            room = controller.draft_room()
+            rooms.append(room)
+            found = np.full(1, room)  # the index found a draft as long as the room
+            matched = np.minimum(rng.geometric(1 - machine.accept, size=1) - 1, found)
+            controller.observe(StepOutcome(
+                tokens=1 + int(draft_lens.sum()), seconds=float(machine.cost(1 + int(draft_lens.sum()))),
+                lane_tokens=0, lane_accepted=0, text_accepted=int(np.minimum(matched, draft_lens).sum()),
+                decoding_requests=1, draft_lengths=found, accepted_lengths=matched, key_lens=np.ones(1, np.int64)))
+            draft_lens = controller.choose_draft_lens(1, np.ones(1, np.int64), found)
+            assert draft_lens.max() <= room
+        return rooms
+
+    rooms = run(Machine(linear(1.0, 1.0), lane_yield=0.0, accept=0.3), 300)
+    assert controller.last.draft_len <= 1 and rooms[-1] == MIN_DRAFT_ROOM  # tokens cost: short room
+    trials = controller.yields.position_trials.copy()
+    rooms = run(Machine(flat_then_rising(10.0, 256, 0.5), lane_yield=0.0, accept=0.9), 300)
+    assert rooms[-1] == longest and controller.last.draft_len == longest  # free tokens: the room came back
+    assert rooms.index(longest) < 20
+    # the short room's drafts taught nothing past it (the first step's whole draft, decayed, is all)
+    assert trials[:, MIN_DRAFT_ROOM:].sum() < 1.0 < trials[:, :MIN_DRAFT_ROOM].sum()
 
 
 def test_fixed_keeps_the_configured_sizes():

@@ -31,7 +31,7 @@ class SeparateKernels(FafoProposer):
         self._table.settle(slots, taken, verified, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
-                                       token_ids, rows, num_tokens, self.num_speculative_tokens, self.max_model_len)
+                                       token_ids, rows, num_tokens, self.controller.draft_room(), self.max_model_len)
         lengths, matched, key_lens = self.judge.judge(slots, rows, num_tokens, token_ids)
         if learns:
             yields, none = controller.yields, np.zeros(0, dtype=np.int64)

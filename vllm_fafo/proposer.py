@@ -561,7 +561,7 @@ class FafoProposer:
             not self.config.pad_drafts, trials)
         table, counts = self._table.kernel_arguments(self.metrics)
         for _ in range(5):  # each shortage is made good once
-            index, outputs = self.index.kernel_arguments(self.num_speculative_tokens, self.max_model_len)
+            index, outputs = self.index.kernel_arguments(self.controller.draft_room(), self.max_model_len)
             (status, num_keys, cost_points, queued, longest, total, accepted,
              lane_accepted) = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, table, counts, index, outputs, self.judge.kernel_arguments(),

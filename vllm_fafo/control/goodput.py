@@ -99,6 +99,9 @@ TAIL_WORTH = 0.25
 matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 
 
+MIN_DRAFT_ROOM = 4
+"""The shortest room the goodput controller asks drafts to be found in
+(:meth:`GoodputController.draft_room`): twice the longest it chose, at least this."""
 DRAFT_TIERS = (0, 4, 8, 16)
 """Draft lengths a padded step may take under the goodput controller (``pad_drafts``),
 ``num_speculative_tokens`` added where it is not one of them: each is a uniform decode
@@ -447,6 +450,10 @@ class FixedController:
         self._cost = StepCostModel().kernel_arguments(0, 0.0)  # tokens 0: not observed
         self._choice = (np.zeros(1), table, table, table, 0, False, table, 0, False, 0, index)
 
+    def draft_room(self) -> int:
+        """Drafts are found whole: ``max_draft`` tokens at most."""
+        return self.max_draft
+
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
         self.last.lanes = max_lanes
         return max_lanes
@@ -530,6 +537,15 @@ class GoodputController:
         """The cost curve the step's kernel observes (:meth:`kernel_arguments`; None: none)."""
 
     # Decisions -----------------------------------------------------------------------
+    def draft_room(self) -> int:
+        """The longest drafts worth finding for the next step: twice the longest it chose
+        last (at least :data:`MIN_DRAFT_ROOM`), at most ``max_draft``. Tokens found past
+        what it may choose cost the index's time and are cut (at high load most are:
+        docs/results/host-time.md); the yields learn each position only from the drafts
+        that reached it (:func:`~vllm_fafo.control.kernels.count_chains`), so shorter
+        drafts leave them unbiased, and the room doubles a step while the choices grow."""
+        return min(self.max_draft, max(MIN_DRAFT_ROOM, 2 * self.last.draft_len))
+
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
         """Lanes per request for this forward (0..max_lanes), which has ``real_tokens``
         tokens (drafts included) and ``lane_requests`` requests that can run lanes: of 0,

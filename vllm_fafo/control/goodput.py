@@ -102,6 +102,7 @@ matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 MIN_DRAFT_ROOM = 4
 """The shortest room the goodput controller asks drafts to be found in
 (:meth:`GoodputController.draft_room`): twice the longest it chose, at least this."""
+
 DRAFT_TIERS = (0, 4, 8, 16)
 """Draft lengths a padded step may take under the goodput controller (``pad_drafts``),
 ``num_speculative_tokens`` added where it is not one of them: each is a uniform decode

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,6 +103,19 @@ def texts(batch: int, history_len: int, steps: int, num_speculative_tokens: int,
     return np.stack([repetitive_text(max_len, rng) for _ in range(batch)])
 
 
+def cache_eviction(evict_mib: int) -> Callable[[], None]:
+    """A call that writes ``evict_mib`` MiB, one write per cache line (0: none), as a
+    forward leaves the caches; run untimed before each step."""
+    if not evict_mib:
+        return lambda: None
+    junk = np.ones((evict_mib << 20) // 8)
+
+    def evict() -> None:
+        junk[::8] += 1.0
+
+    return evict
+
+
 def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:
     """Each request's sampled tokens, the text's next ones: its draft's matching prefix
     plus one (greedy verification); advances ``num_tokens`` by them."""
@@ -134,15 +148,14 @@ def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict
     ))
     num_tokens = np.full(batch, history_len, dtype=np.int32)
     sampled = [[int(row[history_len - 1])] for row in rows]  # the prefill's token
-    eviction = np.ones((evict_mib << 20) // 8) if evict_mib else None
+    evict = cache_eviction(evict_mib)
     decoded, elapsed = 0, 0.0
     drafts = proposer.propose(k, sampled, num_tokens, rows)
     for _ in range(steps):
         before = int(num_tokens.sum())
         sampled = accepted_tokens(rows, num_tokens, drafts)
         decoded += int(num_tokens.sum()) - before
-        if eviction is not None:
-            eviction[::8] += 1.0  # a write to every cache line
+        evict()
         start = time.perf_counter()
         drafts = proposer.propose(k, sampled, num_tokens, rows)
         elapsed += time.perf_counter() - start
@@ -179,14 +192,13 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     decoded = 0
     elapsed = slowest = 0.0
     collections = _FullCollections() if gc_pauses else None
-    eviction = np.ones((evict_mib << 20) // 8) if evict_mib else None
+    evict = cache_eviction(evict_mib)
     for _ in range(steps):
         before = int(num_tokens.sum())
         sampled = accepted_tokens(rows, num_tokens, drafts)
         decoded += int(num_tokens.sum()) - before
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
-        if eviction is not None:
-            eviction[::8] += 1.0  # a write to every cache line
+        evict()
         start = time.perf_counter()
         proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)

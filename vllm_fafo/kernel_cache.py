@@ -28,18 +28,24 @@ STAMP_NAME = "numba-kernels.stamp"
 CACHE_SUFFIXES = (".nbi", ".nbc")
 
 
+def _kernel_files(package_dir: Path) -> list[tuple[Path, bytes]]:
+    """The package's Python files that define numba kernels and their sources, in a fixed order."""
+    files = ((path, path.read_bytes()) for path in sorted(package_dir.rglob("*.py")))
+    return [(path, source) for path, source in files if b"njit" in source]
+
+
 def kernel_sources(package_dir: Path) -> list[Path]:
     """The package's Python files that define numba kernels, in a fixed order."""
-    return [path for path in sorted(package_dir.rglob("*.py")) if b"njit" in path.read_bytes()]
+    return [path for path, _ in _kernel_files(package_dir)]
 
 
 def sources_stamp(package_dir: Path) -> str:
-    """A digest of every kernel file's path and source."""
+    """A digest of every kernel file's path and source (each file read once)."""
     digest = hashlib.sha256()
-    for path in kernel_sources(package_dir):
+    for path, source in _kernel_files(package_dir):
         digest.update(path.relative_to(package_dir).as_posix().encode())
         digest.update(b"\0")
-        digest.update(path.read_bytes())
+        digest.update(source)
         digest.update(b"\0")
     return digest.hexdigest()
 

@@ -560,8 +560,9 @@ class FafoProposer:
             0 if step.branches is None else step.branches.num_tokens, step_tokens, count,
             not self.config.pad_drafts, trials)
         table, counts = self._table.kernel_arguments(self.metrics)
+        room = self.controller.draft_room()
         for _ in range(5):  # each shortage is made good once
-            index, outputs = self.index.kernel_arguments(self.controller.draft_room(), self.max_model_len)
+            index, outputs = self.index.kernel_arguments(room, self.max_model_len)
             (status, num_keys, cost_points, queued, longest, total, accepted,
              lane_accepted) = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, table, counts, index, outputs, self.judge.kernel_arguments(),

@@ -14,10 +14,10 @@ requests without one share the unsalted pool. Memory is bounded in bytes per
 tenant: each key is charged what it takes with ``capacity`` candidates (its
 most; :meth:`PoolArena.bytes_per_key`), so a tenant's pool keeps at most
 ``max_bytes // bytes_per_key`` keys, its least recently used key evicted past
-them; one tenant's traffic never evicts another's keys. A new tenant drops the
-least recently used ones whole while there are more than ``max_tenants`` (a
-dropped tenant's running requests keep filing into its pool until they
-finish; new requests of that tenant start afresh).
+them; one tenant's traffic never evicts another's keys. A new tenant past
+``max_tenants`` drops the least recently used one whole (a dropped tenant's
+running requests keep filing into its pool until they finish; new requests of
+that tenant start afresh).
 """
 
 from __future__ import annotations

@@ -147,6 +147,22 @@ def test_kept_answers_hold_their_byte_bound_over_10000_requests() -> None:
         texts.stop("asks")
 
 
+def test_a_short_text_grows_the_batchs_texts_within_a_quarter_of_their_room_and_keeps_every_token() -> None:
+    """Where one text of a batch overflows, those within a quarter of their room grow with
+    it (to twice their room), the others not; the tokens stay where the texts say."""
+    texts = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
+    prompts = {name: np.arange(10, dtype=np.int32) + 100 * i for i, name in enumerate(("full", "near", "far"))}
+    ids = np.array([texts.start(name, None, prompt)[0] for name, prompt in prompts.items()])
+    room = int(texts.capacities[ids[0]])
+    assert (texts.capacities[ids] == room).all()
+    lengths = np.array([room + 1, room * 3 // 4 + 1, room * 3 // 4])
+    texts.make_room(ids, lengths)
+    assert texts.capacities[ids].tolist() == [2 * (room + 1), 2 * room, room]
+    for text, prompt in zip(ids, prompts.values()):
+        start = int(texts.starts[text])
+        assert texts.store[start : start + len(prompt)].tolist() == prompt.tolist()
+
+
 def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
     index = DraftIndex(FafoConfig(num_speculative_tokens=8))
     repeat = [10, 11, 12, 13, 14, 15]

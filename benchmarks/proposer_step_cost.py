@@ -19,7 +19,7 @@ free up to a KNEE of tokens), not on the wall clock: its choices, and so the
 host time measured, repeat run to run.
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32
-    python benchmarks/proposer_step_cost.py --controller fixed --num-speculative-tokens 4 --pad-drafts  # CUDA default
+    python benchmarks/proposer_step_cost.py --controller fixed --pad-drafts  # the CUDA defaults
     python benchmarks/proposer_step_cost.py --batch-sizes 1,32 --history 128 --evict-mib 96  # caches cold, as in an engine
 
 ``--ngram`` also drives vLLM's ``ngram`` proposer (``NgramProposer``, the matrix's
@@ -32,6 +32,9 @@ a GPU host, whose forwards leave the processor's caches to it), with 96 they are
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,8,32,128 --history 128,8192 --ngram --evict-mib 96
 
+``--set KEY=JSON`` (repeatable) sets one of FAFO's keys over the benchmark's, to see
+what a draft source costs per step (``--set share_pool=false --set deep_match=false``).
+
 ``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
 freezes its start-up heap, so that the garbage collector's full collections walk
 only what the proposer made since, and reports them: how many ran during the
@@ -42,7 +45,9 @@ steps (docs/results/serving.md "Garbage collector pauses").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -165,13 +170,14 @@ def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict
 def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0,
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
-            gc_pauses: bool = False, evict_mib: int = 0) -> dict:
+            gc_pauses: bool = False, evict_mib: int = 0, settings: dict | None = None) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too; with ``evict_mib``,
-    that many MiB written before each step (untimed), as a forward leaves the caches."""
-    config = FafoConfig(num_lanes=0, controller=controller, num_speculative_tokens=num_speculative_tokens,
-                        pad_drafts=pad_drafts, prior_table="off")
+    that many MiB written before each step (untimed), as a forward leaves the caches;
+    ``settings``: more of FAFO's keys (``--set``)."""
+    config = FafoConfig(**{"num_lanes": 0, "controller": controller, "num_speculative_tokens": num_speculative_tokens,
+                           "pad_drafts": pad_drafts, "prior_table": "off", **(settings or {})})
     rng = np.random.default_rng(seed)
     rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
     max_len = rows.shape[1]
@@ -242,6 +248,21 @@ class _FullCollections:
         gc.callbacks.remove(self._on_collection)
 
 
+def setting_argument(text: str) -> tuple[str, object]:
+    """``KEY=JSON`` -> (key, value), for ``--set``."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=JSON, e.g. share_pool=false")
+    keys = sorted(field.name for field in dataclasses.fields(FafoConfig))
+    if key not in keys:
+        raise argparse.ArgumentTypeError(f"{key!r} is not one of FAFO's keys: {', '.join(keys)}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not JSON ({error})") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,32", help="comma-separated")
@@ -260,13 +281,19 @@ def main() -> None:
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
                         help="STEP,FIRST,PER[,KNEE]: the modelled forward the controller sizes drafts for "
                              "(milliseconds; KNEE: tokens a forward takes at STEP's price, as in replay_pool.py)")
+    parser.add_argument("--set", action="append", default=[], type=setting_argument, metavar="KEY=JSON",
+                        help="one of FAFO's keys (docs/configuration.md) over the benchmark's, e.g. share_pool=false; "
+                             "repeatable")
     args = parser.parse_args()
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, "
           f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
           f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
+    settings = dict(args.set)
+    if settings:
+        print("settings: " + ", ".join(f"{key}={json.dumps(value)}" for key, value in settings.items()))
     options = {"cost_ms": cost_ms, "num_speculative_tokens": args.num_speculative_tokens,
-               "pad_drafts": args.pad_drafts}
+               "pad_drafts": args.pad_drafts, "settings": settings}
     measure(1, 128, 100, args.controller, **options)  # the process's first steps run slower
     if args.ngram:
         measure_ngram(1, 128, 100)  # its first steps too

@@ -118,6 +118,21 @@ def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):
     assert script.measure(4, 256, 60, "goodput", cost_ms=(52.0, 3.3, 3.3), evict_mib=1)["tau"] == runs[0]["tau"]
 
 
+def test_proposer_step_cost_sets_fafos_keys_and_refuses_unknown_ones(monkeypatch):
+    """``--set KEY=JSON`` reaches the proposer's config (here: no deep matches, so other
+    drafts are accepted); an unknown key or a value that is not JSON is refused, naming it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = benchmark_script("proposer_step_cost")
+    assert script.setting_argument("share_pool=false") == ("share_pool", False)
+    for bad, says in (("share_pools=false", "'share_pools' is not one of FAFO's keys"), ("share_pool", "KEY=JSON"),
+                      ("share_pool=no", "not JSON")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            script.setting_argument(bad)
+    default = script.measure(4, 256, 60, "goodput")
+    assert script.measure(4, 256, 60, "goodput", settings={})["tau"] == default["tau"]
+    assert script.measure(4, 256, 60, "goodput", settings={"deep_match": False})["tau"] != default["tau"]
+
+
 @pytest.mark.slow  # a benchmark's own path, not the plugin's: benchmarks/matrix.py --shape
 def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
     """--shape runs the same tail layout on a model body with dummy weights (the

@@ -39,7 +39,8 @@ def _unpacked(packed: bytes) -> Candidate:
 
 
 class NgramPool:
-    """Suffix-keyed candidate table with per-key (and optional key) LRU caps."""
+    """Suffix-keyed candidate table with per-key LRU caps and an optional cap on keys,
+    evicting the least recently used key (``key_eviction`` ``"lru"``) or the first filed."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class NgramPool:
         *,
         min_key_len: int = 1,
         max_keys: int = 0,
+        key_eviction: str = "lru",
         touch_on_lookup: bool = True,
         rank: str = "recency",
     ) -> None:
@@ -59,6 +61,7 @@ class NgramPool:
         self.min_key_len = min_key_len
         self.capacity = capacity
         self.max_keys = max_keys  # 0: unbounded
+        self.refresh_keys = bool(max_keys) and key_eviction == "lru"
         self.touch_on_lookup = touch_on_lookup
         self.rank = rank
         self._table: dict[bytes, dict[bytes, int]] = OrderedDict() if max_keys else {}
@@ -66,8 +69,8 @@ class NgramPool:
         recently used first (a dict keeps insertion order, and a new one costs less than
         an OrderedDict: the pool makes one per new key).
         Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
-        it; unbounded, a plain dict in first-filed order, with no move per key filed or
-        looked up (docs/results/lanes.md, "FAFO's lanes", the proposer's host time)."""
+        it; unbounded or evicting the first filed, in first-filed order, with no move per key
+        filed or looked up (docs/results/lanes.md, "FAFO's lanes", the proposer's host time)."""
 
     def __len__(self) -> int:
         """Number of keys held."""
@@ -93,7 +96,7 @@ class NgramPool:
                 if max_keys and len(table) > max_keys:
                     table.popitem(last=False)
                 continue
-            if max_keys:
+            if self.refresh_keys:
                 table.move_to_end(key)
             if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
                 del entries[next(iter(entries))]  # the least recently used
@@ -114,7 +117,7 @@ class NgramPool:
 
     def _take(self, key: bytes, entries: dict[bytes, int], candidate: bytes) -> tuple[Candidate, Origin]:
         """``candidate`` (packed, under ``key``) as a lookup's answer, refreshed as :meth:`match` says."""
-        if self.max_keys:
+        if self.refresh_keys:
             self._table.move_to_end(key)
         code = entries[candidate]
         if self.touch_on_lookup:

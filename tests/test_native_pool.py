@@ -29,9 +29,10 @@ SETTINGS = {
 }
 
 
-def _pair(setting: dict, max_keys: tuple[int, int], arena: native.PoolArena | None):
-    refs = tuple(reference.NgramPool(**setting, max_keys=keys) for keys in max_keys)
-    pools = tuple(native.NgramPool(**setting, max_keys=keys, arena=arena) for keys in max_keys)
+def _pair(setting: dict, max_keys: tuple[int, int], arena: native.PoolArena | None, key_eviction: str = "lru"):
+    refs = tuple(reference.NgramPool(**setting, max_keys=keys, key_eviction=key_eviction) for keys in max_keys)
+    pools = tuple(native.NgramPool(**setting, max_keys=keys, key_eviction=key_eviction, arena=arena)
+                  for keys in max_keys)
     return refs, pools
 
 
@@ -46,13 +47,14 @@ def _same_state(refs, pools, contexts):
 
 @pytest.mark.parametrize("name", SETTINGS)
 @pytest.mark.parametrize("shared_arena", [False, True])
-def test_random_streams_match_the_reference(name, shared_arena):
+@pytest.mark.parametrize("key_eviction", native.KEY_EVICTIONS)
+def test_random_streams_match_the_reference(name, shared_arena, key_eviction):
     setting = SETTINGS[name]
     rng = random.Random(7)
     arena = native.PoolArena(**{k: v for k, v in setting.items() if k != "capacity"},
                              capacity=setting["capacity"], candidate_len=2) if shared_arena else None
     # own pool unbounded (or Cacheback's leader cap), shared pool bounded in keys
-    refs, pools = _pair(setting, (6 if name == "cacheback" else 0, 12), arena)
+    refs, pools = _pair(setting, (6 if name == "cacheback" else 0, 12), arena, key_eviction)
     contexts = []
     for step in range(3000):
         context = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
@@ -176,7 +178,7 @@ class _ReferenceTenants:
 
     def pool_for(self, tenant: str) -> reference.NgramPool:
         if tenant not in self.pools:
-            self.pools[tenant] = reference.NgramPool(**self.setting, max_keys=self.max_keys)
+            self.pools[tenant] = reference.NgramPool(**self.setting, max_keys=self.max_keys, key_eviction="fifo")
             self.trim()
         self.pools.move_to_end(tenant)
         return self.pools[tenant]

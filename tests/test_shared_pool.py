@@ -125,10 +125,13 @@ def test_each_tenant_is_bounded_in_bytes_and_never_evicts_another():
     assert tenants.max_keys == 10
     tenants.pool_for("quiet").add([100], (101,), Origin.OUTPUT)
     busy = tenants.pool_for("busy")
-    for token in range(30):
+    for token in range(31):
         busy.add([token], (token + 1,), Origin.OUTPUT)
+        if 20 <= token < 30:
+            assert busy.match([20]) is not None  # used again each step: not moved, still the first filed
     assert len(busy) == 10 and busy.nbytes() <= 10 * per_key + per_key // 2
-    assert busy.match([29]) is not None and busy.match([19]) is None  # the least recently used went first
+    assert busy.match([30]) is not None and busy.match([21]) is not None
+    assert busy.match([20]) is None  # the first filed went first, though used the step before
     assert tenants.pool_for("quiet").match([100]) is not None  # the busy tenant evicted only its own
     assert tenants.num_tenants == 2 and tenants.nbytes() == 11 * per_key
     with pytest.raises(ValueError, match="one key"):

@@ -87,7 +87,7 @@ class FafoConfig:
     shared_pool_mib: int = 16
     """MiB each tenant's shared pool holds (vllm_fafo.drafting.shared_pool): every key is charged
     as if it held ``pool_capacity`` candidates (``PoolArena.bytes_per_key``, 0.44 kB by
-    default), and the tenant's least recently used key is evicted past the bound. At most
+    default), and the tenant's first filed key is evicted past the bound. At most
     ``shared_pool_tenants`` tenants are kept."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""

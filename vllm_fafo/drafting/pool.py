@@ -58,6 +58,9 @@ ORIGINS = tuple(Origin)
 ORIGIN_CODE = {origin: code for code, origin in enumerate(ORIGINS)}
 RANKINGS = ("votes", "recency")
 """How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
+KEY_EVICTIONS = ("lru", "fifo")
+"""Which key a pool bounded in keys evicts: the least recently used (Cacheback's leaders), or the first
+filed (the tenants' shared pools: no relinking per key filed or chosen, docs/results/host-time.md)."""
 GUESS_VOTES = kernels.GUESS_VOTES
 """Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
 replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
@@ -103,7 +106,7 @@ class PoolArena:
         """A row per candidate: its fields and tokens (``E_*`` columns), the free entries' stack in ``E_FREE``."""
         self._stamps = np.zeros(0, dtype=np.int64)
         """Each candidate's recency stamp."""
-        self._owners = np.zeros((0, 4), dtype=np.int64)
+        self._owners = np.zeros((0, kernels.NUM_OWNER_COLUMNS), dtype=np.int64)
         """A row per pool (``O_*`` columns)."""
         self._grow_slots(256)
         self._grow_entries(256, candidate_len)
@@ -146,7 +149,7 @@ class PoolArena:
         self._state = None
 
     def _grow_owners(self, size: int) -> None:
-        self._owners = self._grown(self._owners, size, 4, {kernels.O_HEAD: -1, kernels.O_TAIL: -1})
+        self._owners = self._grown(self._owners, size, kernels.NUM_OWNER_COLUMNS, {kernels.O_HEAD: -1, kernels.O_TAIL: -1})
         self._state = None
 
     @property
@@ -181,20 +184,24 @@ class PoolArena:
             kernels.rehash(self.state)
 
     # owners ---------------------------------------------------------------------------
-    def new_owner(self, max_keys: int = 0) -> int:
-        """A new empty pool's id, holding at most ``max_keys`` keys (0: unbounded)."""
+    def new_owner(self, max_keys: int = 0, key_eviction: str = "lru") -> int:
+        """A new empty pool's id, holding at most ``max_keys`` keys (0: unbounded), past
+        them evicting the least recently used key (``"lru"``) or the first filed (``"fifo"``)."""
+        if key_eviction not in KEY_EVICTIONS:
+            raise ValueError(f"key_eviction={key_eviction!r}: one of {KEY_EVICTIONS}")
         if not self._free_owners:
             size = len(self._owners)
             self._grow_owners(2 * size)
             self._free_owners = list(range(2 * size - 1, size - 1, -1))
         owner = self._free_owners.pop()
         self._owners[owner, kernels.O_MAX_KEYS] = max_keys
+        self._owners[owner, kernels.O_LRU] = key_eviction == "lru"
         return owner
 
     def release(self, owner: int) -> None:
         """Drop a pool's keys and free its id (its handle is gone)."""
         kernels.clear_owner(self.state, owner)
-        self._owners[owner, kernels.O_MAX_KEYS] = 0
+        self._owners[owner, kernels.O_MAX_KEYS] = self._owners[owner, kernels.O_LRU] = 0
         self._free_owners.append(owner)
 
     def num_keys(self, owner: int) -> int:
@@ -225,8 +232,9 @@ class PoolArena:
 
 class NgramPool:
     """One pool (an owner of a :class:`PoolArena`): a suffix-keyed candidate table with
-    per-key (and optional key) LRU caps. Without ``arena`` the pool gets an arena of its
-    own with these settings; with one, the settings must be the arena's."""
+    per-key LRU caps and an optional cap on keys (``key_eviction``: which key it evicts).
+    Without ``arena`` the pool gets an arena of its own with these settings; with one,
+    the settings must be the arena's."""
 
     def __init__(
         self,
@@ -235,6 +243,7 @@ class NgramPool:
         *,
         min_key_len: int = 1,
         max_keys: int = 0,
+        key_eviction: str = "lru",
         touch_on_lookup: bool = True,
         rank: str = "recency",
         arena: PoolArena | None = None,
@@ -250,9 +259,10 @@ class NgramPool:
         self.min_key_len = min_key_len
         self.capacity = capacity
         self.max_keys = max_keys  # 0: unbounded
+        self.key_eviction = key_eviction
         self.touch_on_lookup = touch_on_lookup
         self.rank = rank
-        self.owner = arena.new_owner(max_keys)
+        self.owner = arena.new_owner(max_keys, key_eviction)
         weakref.finalize(self, arena.release, self.owner).atexit = False
 
     def __len__(self) -> int:
@@ -276,8 +286,8 @@ class NgramPool:
     def match(self, context: Sequence[int]) -> Match | None:
         """The candidate under the longest matching suffix (:func:`match_pools`).
 
-        The key's recency is refreshed; the candidate's only with
-        ``touch_on_lookup``.
+        The key's recency is refreshed (``key_eviction`` ``"lru"``); the candidate's only
+        with ``touch_on_lookup``.
         """
         return match_pools((self,), context)
 
@@ -314,7 +324,8 @@ class NgramPool:
         return self._newest_first(_tokens(key))[::-1]
 
     def keys(self) -> list[Candidate]:
-        """Keys, least recently used first (first filed first where ``max_keys`` is 0)."""
+        """Keys, least recently used first (first filed first where ``max_keys`` is 0 or
+        ``key_eviction`` is ``"fifo"``)."""
         arena = self.arena
         out = np.empty(len(self), dtype=np.int64)
         count = kernels.owner_slots(arena.state, self.owner, out)

@@ -6,7 +6,9 @@ request's own pool, a tenant's shared pool. A key is a slot found through an
 open-addressing table hashed on (owner, key tokens); a slot's candidates are
 entries on a singly linked list, ordered by recency stamps (one counter per
 arena, raised on every use), and an owner's keys are on a doubly linked list
-in the order an ``OrderedDict`` would keep them. Kernels never allocate: the
+in the order an ``OrderedDict`` would keep them: by recency where the owner
+evicts its least recently used key (Cacheback's leaders), else in filing order
+(the tenants' shared pools evict the first filed). Kernels never allocate: the
 arena reserves room before each call (:meth:`PoolArena.reserve`), as vLLM's
 ``ngram`` kernel writes into preallocated outputs.
 
@@ -33,8 +35,10 @@ ST_CFG, ST_COUNTERS, ST_TABLE, ST_SLOTS, ST_ENTRIES, ST_STAMPS, ST_OWNERS = rang
 S_OWNER, S_KLEN, S_HEAD, S_COUNT, S_PREV, S_NEXT, S_TPOS, S_FREE, S_KEY = range(9)
 # columns of the entries (int32; one row per candidate, and the free entries' stack); stamps are int64 apart
 E_LEN, E_ORIGIN, E_NEXT, E_FREE, E_TOK = range(5)
-# columns of the owners (int64; one row per pool)
-O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS = range(4)
+# columns of the owners (int64; one row per pool); O_LRU: a bounded owner's key filed or chosen again moves to
+# its most recently used end (the least recently used evicted first), else keys stay in filing order
+O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS, O_LRU = range(5)
+NUM_OWNER_COLUMNS = 5
 
 EMPTY = 0
 TOMBSTONE = -1
@@ -135,9 +139,10 @@ def file_each(st, owners, contexts, context_lens, candidates, candidate_lens, or
 
 @njit(cache=True)
 def refresh_key(st, s):
-    """Move a key to its owner's most recently used end, where the owner bounds its keys."""
+    """Move a key to its owner's most recently used end, where the owner bounds its keys
+    by recency (``O_LRU``)."""
     owner = st[ST_SLOTS][s, S_OWNER]
-    if st[ST_OWNERS][owner, O_MAX_KEYS] > 0 and st[ST_OWNERS][owner, O_TAIL] != s:
+    if st[ST_OWNERS][owner, O_LRU] != 0 and st[ST_OWNERS][owner, O_MAX_KEYS] > 0 and st[ST_OWNERS][owner, O_TAIL] != s:
         _unlink_key(st, s)
         _append_key(st, s, owner)
 

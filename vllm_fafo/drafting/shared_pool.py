@@ -13,8 +13,10 @@ blocks): requests only see candidates of requests with the same salt;
 requests without one share the unsalted pool. Memory is bounded in bytes per
 tenant: each key is charged what it takes with ``capacity`` candidates (its
 most; :meth:`PoolArena.bytes_per_key`), so a tenant's pool keeps at most
-``max_bytes // bytes_per_key`` keys, its least recently used key evicted past
-them; one tenant's traffic never evicts another's keys. A new tenant past
+``max_bytes // bytes_per_key`` keys, its first filed key evicted past them (a
+key filed or chosen again is not moved: the least recently used, relinked on
+every use, cost 15-23 % of a step at batch 8-128 and drafted no better,
+docs/results/host-time.md); one tenant's traffic never evicts another's keys. A new tenant past
 ``max_tenants`` drops the least recently used one whole (a dropped tenant's
 running requests keep filing into its pool until they finish; new requests of
 that tenant start afresh).
@@ -49,7 +51,7 @@ class TenantPools:
             arena = self.arena
             pool = self._pools[tenant] = NgramPool(
                 arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len, max_keys=self.max_keys,
-                touch_on_lookup=arena.touch_on_lookup, rank=arena.rank, arena=arena)
+                key_eviction="fifo", touch_on_lookup=arena.touch_on_lookup, rank=arena.rank, arena=arena)
             if len(self._pools) > self.max_tenants:  # one tenant more than the bound: the least recent goes
                 self._pools.popitem(last=False)
         else:

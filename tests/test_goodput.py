@@ -839,10 +839,6 @@ def test_a_tier_is_priced_by_its_own_steps_not_by_its_token_count():
     assert set(controller.summary()["tier_cost"]) >= {"8", "16"}
 
 
-def test_fixed_controller_keeps_the_longest_tier():
-    assert FixedController(16).choose_tier(1, np.ones(2), np.array([3, 0]), TIERS) == 16
-
-
 def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
     """choose_lengths and count_chains against the numpy code they replaced (kept here
     as the reference): random reach tables, found drafts, key lengths and step prices."""

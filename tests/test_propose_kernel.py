@@ -6,8 +6,8 @@ import pytest
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
-from vllm_fafo.propose_kernel import LENGTHS_FOUND
-from vllm_fafo.proposer import FafoProposer
+from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED
+from vllm_fafo.proposer import FafoProposer, pad_drafts
 
 from .test_proposer import make_proposer
 
@@ -40,6 +40,11 @@ class SeparateKernels(FafoProposer):
             kernels.observe_chains(yields.branch_trials, yields.branch_hits, yields.decay, yields._branch_rows, none,
                                    none, none)
         self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)
+        if self.config.pad_drafts:  # the fixed controller's: padded whole, by the Python padding
+            pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
+                       token_ids[rows, num_tokens - 1])
+            self._table.keep(slots, found.origins, found.lengths, self.metrics)
+            return LENGTHS_PADDED, 0, 0, 0, int(accepted.sum()), lane_accepted
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
@@ -60,8 +65,9 @@ def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:
     return np.array(text[:length], dtype=np.int32)
 
 
-@pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"}],
-                         ids=["goodput", "deep-match-shared", "fixed"])
+@pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"},
+                                      {"controller": "fixed", "pad_drafts": True}],
+                         ids=["goodput", "deep-match-shared", "fixed", "fixed-padded"])
 def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     """Three requests (one joining late, one leaving early) over 40 steps of texts that
     repeat themselves, each step's sampled tokens the text's next ones (the draft's

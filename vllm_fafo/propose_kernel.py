@@ -23,11 +23,29 @@ from vllm_fafo.request_table import keep_drafts, settle_drafts
 ROOM_JUDGE = 4
 """The judge's table lacks room for this step's drafts, or its slot map for a slot
 (after :data:`~vllm_fafo.drafting.step_kernel.ROOM_OUTPUTS`): nothing was done."""
-LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER = range(3)
+LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED = range(4)
 """What :func:`propose_step` does with the drafts found: cut them to the lengths the
 goodput controller chooses, keep them as found (nothing learned yet, or the fixed
-controller), or neither, leaving the cut and the keeping to the caller
-(``pad_drafts``' tiers)."""
+controller), neither, leaving the cut and the keeping to the caller (the goodput
+controller's tiers under ``pad_drafts``), or pad each to its whole room and keep it
+(the fixed controller under ``pad_drafts``: the CUDA defaults)."""
+
+
+@njit(cache=True)
+def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, origins, lengths):
+    """Fill request i's draft up to ``min(pad_to, max_len - num_tokens[i])`` tokens by
+    repeating its last token (the text's, where it is empty), the filler's origin
+    ``pad``, in place (``pad_drafts``: every request of the step drafts as many tokens,
+    a uniform decode batch). Lossless: verification stops at the first token the target
+    does not produce."""
+    for i in range(len(lengths)):
+        room = min(pad_to, max_len - num_tokens[i])
+        found = lengths[i]
+        last = drafts[i, found - 1] if found > 0 else history[rows[i], num_tokens[i] - 1]
+        for j in range(found, room):
+            drafts[i, j] = last
+            origins[i, j] = pad
+        lengths[i] = max(found, room)
 
 
 @njit(cache=True)
@@ -48,9 +66,10 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
        (:func:`~vllm_fafo.control.kernels.observe_chains`);
     5. queue the drafts found, whole, for judging later;
     6. cut them to the lengths the controller chooses (``choice``,
-       :func:`~vllm_fafo.control.kernels.choose_draft_lengths`) and keep them for
-       settling next step (:func:`~vllm_fafo.request_table.keep_drafts`), as its
-       mode (:data:`LENGTHS_CHOSEN` ...) says.
+       :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), or pad them
+       (:func:`pad_found_drafts`), and keep them for settling next step
+       (:func:`~vllm_fafo.request_table.keep_drafts`), as its mode
+       (:data:`LENGTHS_CHOSEN` ...) says.
 
     Returns (room status, keys filed, the cost curve's points, the judge's new count,
     longest and total length chosen, drafts accepted, of them the lanes'). A status
@@ -108,6 +127,8 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
                                               plain_count, lanes, lane_count, step_tokens, lengths[:count])
         for i in range(count):
             found_lens[i] = min(found_lens[i], lengths[i])
+    elif mode == LENGTHS_PADDED:
+        pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)

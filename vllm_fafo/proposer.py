@@ -59,7 +59,7 @@ from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
-from vllm_fafo.propose_kernel import LENGTHS_LATER
+from vllm_fafo.propose_kernel import LENGTHS_LATER, LENGTHS_PADDED
 from vllm_fafo.request_table import RequestTable
 from vllm_fafo.request_table import load_kernels as request_table_kernels
 from vllm_fafo.serving.metrics import FafoMetrics
@@ -531,6 +531,8 @@ class FafoProposer:
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
             self.metrics.record_padded_step(tier, count)
             table.keep(slots, found.origins, found.lengths, self.metrics)
+        elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole in the kernel
+            self.metrics.record_padded_step(self.num_speculative_tokens, count)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, tokens, length in zip(rows, found.tokens.tolist(), found.lengths.tolist()):
             drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.control import kernels
-from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER
+from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED
 
 CONTROLLERS = ("goodput", "fixed")
 
@@ -463,11 +463,6 @@ class FixedController:
         """Every draft as found (the pool's drafts are at most ``num_speculative_tokens``)."""
         return np.asarray(available, dtype=np.int64)
 
-    def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
-        """The longest tier (``num_speculative_tokens``): today's padded drafts."""
-        self.last.draft_len = int(tiers[-1])
-        return self.last.draft_len
-
     def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
         """Every branch as grown (``num_candidates`` and ``max_tree_tokens`` bound them)."""
         return np.asarray(branches.lengths, dtype=np.int64)
@@ -480,9 +475,10 @@ class FixedController:
 
     def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
                          requests: int, choose: bool, branch_trials: np.ndarray) -> tuple[tuple, tuple, tuple]:
-        """Nothing learned, every draft as found (:meth:`GoodputController.kernel_arguments`'
-        types, so that both controllers run one compiled kernel)."""
-        return self._learning, self._cost, (LENGTHS_FOUND if choose else LENGTHS_LATER, *self._choice)
+        """Nothing learned, every draft as found, or (not ``choose``: ``pad_drafts``) padded
+        to ``max_draft`` in the kernel (:meth:`GoodputController.kernel_arguments`' types, so
+        that both controllers run one compiled kernel)."""
+        return self._learning, self._cost, (LENGTHS_FOUND if choose else LENGTHS_PADDED, *self._choice)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
                     lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:

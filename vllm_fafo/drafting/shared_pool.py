@@ -14,10 +14,10 @@ requests without one share the unsalted pool. Memory is bounded in bytes per
 tenant: each key is charged what it takes with ``capacity`` candidates (its
 most; :meth:`PoolArena.bytes_per_key`), so a tenant's pool keeps at most
 ``max_bytes // bytes_per_key`` keys, its first filed key evicted past them (a
-key filed or chosen again is not moved: the least recently used, relinked on
-every use, cost 15-23 % of a step at batch 8-128 and drafted no better,
-docs/results/host-time.md); one tenant's traffic never evicts another's keys. A new tenant past
-``max_tenants`` drops the least recently used one whole (a dropped tenant's
+key filed or chosen again is not moved: keeping them in recency order, relinked
+on every use, cost 5-13 % of a step at batch 8-128 and drafted no better,
+docs/results/host-time.md); one tenant's traffic never evicts another's keys.
+A new tenant past ``max_tenants`` drops the least recently used one whole (a dropped tenant's
 running requests keep filing into its pool until they finish; new requests of
 that tenant start afresh).
 """

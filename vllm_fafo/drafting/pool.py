@@ -195,7 +195,7 @@ class PoolArena:
             self._free_owners = list(range(2 * size - 1, size - 1, -1))
         owner = self._free_owners.pop()
         self._owners[owner, kernels.O_MAX_KEYS] = max_keys
-        self._owners[owner, kernels.O_LRU] = key_eviction == "lru"
+        self._owners[owner, kernels.O_LRU] = max_keys > 0 and key_eviction == "lru"
         return owner
 
     def release(self, owner: int) -> None:

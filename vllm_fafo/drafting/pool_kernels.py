@@ -35,8 +35,8 @@ ST_CFG, ST_COUNTERS, ST_TABLE, ST_SLOTS, ST_ENTRIES, ST_STAMPS, ST_OWNERS = rang
 S_OWNER, S_KLEN, S_HEAD, S_COUNT, S_PREV, S_NEXT, S_TPOS, S_FREE, S_KEY = range(9)
 # columns of the entries (int32; one row per candidate, and the free entries' stack); stamps are int64 apart
 E_LEN, E_ORIGIN, E_NEXT, E_FREE, E_TOK = range(5)
-# columns of the owners (int64; one row per pool); O_LRU: a bounded owner's key filed or chosen again moves to
-# its most recently used end (the least recently used evicted first), else keys stay in filing order
+# columns of the owners (int64; one row per pool); O_LRU: the owner bounds its keys and a key filed or chosen
+# again moves to its most recently used end (the least recently used evicted first), else keys stay in filing order
 O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS, O_LRU = range(5)
 NUM_OWNER_COLUMNS = 5
 
@@ -142,7 +142,7 @@ def refresh_key(st, s):
     """Move a key to its owner's most recently used end, where the owner bounds its keys
     by recency (``O_LRU``)."""
     owner = st[ST_SLOTS][s, S_OWNER]
-    if st[ST_OWNERS][owner, O_LRU] != 0 and st[ST_OWNERS][owner, O_MAX_KEYS] > 0 and st[ST_OWNERS][owner, O_TAIL] != s:
+    if st[ST_OWNERS][owner, O_LRU] != 0 and st[ST_OWNERS][owner, O_TAIL] != s:
         _unlink_key(st, s)
         _append_key(st, s, owner)
 

@@ -97,7 +97,8 @@ def step_kernel_rows(evict_mib: int, steps: int) -> list[str]:
     time_call = timer(evict_mib)
 
     @njit
-    def same_arguments(batch, num_tokens, history, table, counts, index, outputs, judge, learning, cost, choice):
+    def same_arguments(batch, num_tokens, history, held, max_draft, judge_count, branch_trials, mode, observe, tokens,
+                       seconds, plain_count, lane_count, step_tokens):
         return batch[0, 0] if batch.shape[1] else 0
 
     real = propose_kernel.propose_step

@@ -8,6 +8,7 @@ from vllm_fafo.control.goodput import GoodputController
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED
 from vllm_fafo.proposer import FafoProposer, pad_drafts
+from vllm_fafo.step_arrays import same_or_new
 
 from .test_proposer import make_proposer
 
@@ -85,7 +86,7 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     for proposer in (fused, separate):
         proposer.clock = lambda: now[0]
     req_ids, drafts, scheduled = ["a", "b"], [[], []], {}
-    states, drafted = {}, 0
+    states, drafted, step_arrays = {}, 0, []
     for step in range(40):
         if step == 5:
             req_ids, drafts = [*req_ids, "c"], [*drafts, []]
@@ -112,11 +113,14 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
             proposer.finish_forward(req_ids, None)
             results.append(proposer.propose(sampled, num_tokens[rows], history[rows]))
         assert results[0] == results[1], f"step {step}"
+        step_arrays.append(fused._held)
         drafts = results[0]
         drafted += sum(map(len, drafts))
         scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
     print(drafted, fused.metrics.accepted_tokens, fused.controller.summary())
     assert drafted > 40 and sum(fused.metrics.accepted_tokens.values()) > 20  # drafts found and accepted
+    # the owners grew during the run and the kernel followed them (StepArrays made anew), not every step
+    assert 1 < len({id(held) for held in step_arrays}) < len(step_arrays) / 2
     for name in ("draft_len", "draft_origins", "next_anchor", "owners"):
         np.testing.assert_array_equal(getattr(fused._table, name), getattr(separate._table, name), err_msg=name)
     assert len(fused.judge) == len(separate.judge)
@@ -131,3 +135,14 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
                                    theirs.cost.fitted[:2, : theirs.cost.num_points], **same)
         np.testing.assert_allclose(ours.yields.reach_table(), theirs.yields.reach_table(), **same)
         assert (ours.last.draft_len, ours.last.mean_draft_len) == (theirs.last.draft_len, theirs.last.mean_draft_len)
+
+
+def test_same_or_new_keeps_the_held_tuple_only_while_it_holds_the_same_objects():
+    """The step's arrays are made anew where an owner's array is another object (it grew)
+    or a setting differs; an equal copy of an array is another place in memory."""
+    array = np.zeros(3)
+    held = (array, 5, True)
+    assert same_or_new(held, (array, 5, True)) is held
+    assert same_or_new(held, (array.copy(), 5, True)) is not held
+    assert same_or_new(held, (array, 6, True)) is not held
+    assert same_or_new(None, held) is held

@@ -8,7 +8,8 @@ numba call from Python cost 5-20 us before its first instruction of work
 and keeping, the draft index's filing and drafting, the judge's judging and
 queueing, the controller's learning and choosing); :func:`propose_step` runs the
 same kernels, in the same order, in one. Its arguments come in tuples by owner,
-each built by that owner's ``kernel_arguments``.
+each built by that owner's ``kernel_arguments``; the tuples that persist between
+steps in one object (:mod:`vllm_fafo.step_arrays`).
 """
 
 from __future__ import annotations
@@ -49,10 +50,16 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 
 @njit(cache=True)
-def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outputs, judge, learning, cost, choice):
+def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_count, branch_trials, mode, observe,
+                 tokens, seconds, plain_count, lane_count, step_tokens):
     """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
     vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
-    whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``:
+    whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``,
+    drafts of up to ``max_draft`` tokens. ``held``: the owners' arrays
+    (:class:`~vllm_fafo.step_arrays.StepArrays`); ``judge_count``: the drafts queued;
+    ``branch_trials``: the draft tree's branches verified (rows: ranks, tokens, tokens
+    accepted); the rest the controller's numbers of the step
+    (:meth:`~vllm_fafo.control.goodput.GoodputController.kernel_arguments`' last tuple):
 
     1. file their new n-grams and draft (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`,
        ``index`` and ``outputs``: :meth:`DraftIndex.kernel_arguments`);
@@ -76,17 +83,15 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
     other than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what
     lacks room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
-    draft_len, draft_origins, prompt_lens, next_anchors, owners = table
-    accepted_counts, proposed_counts, draft_counts, pad, lane = counts
-    st, frozen, frozen_owner, prior, prior_lens, texts, max_draft, max_len, ngram_len, seed_from_output, scratch = index
-    drafts, origins, found_lens, key_lens, context = outputs
-    judge_table, judge_count, index_of_slot, judged = judge
-    (learn, trials, hits, draft_decay, row_of_key_len, branch_trials, branch_hits, branch_decay, branch_rows,
-     branch_ranks, branch_lengths, branch_matches) = learning
-    (observe, tokens, seconds, log_grid, points, updated_at, steps, weight, stale_after, forget_after,
-     curve) = cost
-    (mode, reach_overall, reach_by_row, worth_share, plain, plain_count, plain_observed, lanes, lane_count,
-     lanes_observed, step_tokens, lengths) = choice
+    draft_len, draft_origins, prompt_lens, next_anchors, owners = held.table
+    accepted_counts, proposed_counts, draft_counts, pad, lane = held.counts
+    st, frozen, frozen_owner, prior, prior_lens, texts, max_len, ngram_len, seed_from_output, scratch = held.index
+    drafts, origins, found_lens, key_lens, context = held.outputs
+    judge_table, index_of_slot, judged = held.judge
+    learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows = \
+        held.learning
+    log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = held.cost
+    reach_overall, reach_by_row, worth_share, plain, plain_observed, lanes, lanes_observed, lengths = held.choice
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
@@ -116,8 +121,8 @@ def propose_step(batch, num_tokens_no_spec, history, table, counts, index, outpu
     if learn:
         observe_chains(trials, hits, draft_decay ** done, row_of_key_len, judged[2, :done], judged[0, :done],
                        judged[1, :done])
-        observe_chains(branch_trials, branch_hits, branch_decay, branch_rows, branch_ranks, branch_lengths,
-                       branch_matches)
+        observe_chains(branch_counts, branch_hits, branch_decay, branch_rows, branch_trials[0], branch_trials[1],
+                       branch_trials[2])
     judge_count = queue_drafts(judge_table, judge_count, slots, num_tokens, drafts, found_lens[:count],
                                key_lens[:count])
     longest, total = 0, 0

@@ -66,6 +66,7 @@ from vllm_fafo.serving.metrics import FafoMetrics
 from vllm_fafo.serving.metrics import load_kernels as metrics_kernels
 from vllm_fafo.serving.metrics_export import SnapshotPublisher
 from vllm_fafo.serving.tp_sync import RankZeroStepTime
+from vllm_fafo.step_arrays import StepArrays, same_or_new
 from vllm_fafo.verification.draft_tree import (
     PLACEHOLDER,
     Branch,
@@ -246,6 +247,8 @@ class FafoProposer:
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
         """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
+        self._held_parts: tuple | None = None
+        self._held: StepArrays | None = None
         self._load_step_kernel()
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
@@ -557,18 +560,16 @@ class FafoProposer:
         slots, count = numbers[0], numbers.shape[1]
         trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
                   else _NO_TRIALS)
-        learning, cost, choice = self.controller.kernel_arguments(
+        learning, cost, choice, numbers_of_step = self.controller.kernel_arguments(
             step.num_scheduled_tokens + step.tail_tokens, seconds, step.lane_tokens,
             0 if step.branches is None else step.branches.num_tokens, step_tokens, count,
-            not self.config.pad_drafts, trials)
-        table, counts = self._table.kernel_arguments(self.metrics)
+            not self.config.pad_drafts)
         room = self.controller.draft_room()
         for _ in range(5):  # each shortage is made good once
-            index, outputs = self.index.kernel_arguments(room, self.max_model_len)
             (status, num_keys, cost_points, queued, longest, total, accepted,
              lane_accepted) = propose_kernel.propose_step(
-                numbers, num_tokens_no_spec, token_ids, table, counts, index, outputs, self.judge.kernel_arguments(),
-                learning, cost, choice)
+                numbers, num_tokens_no_spec, token_ids, self._step_arrays(learning, cost, choice), room,
+                len(self.judge), trials, *numbers_of_step)
             if status == propose_kernel.ROOM_OK:
                 break
             if status == propose_kernel.ROOM_JUDGE:
@@ -579,7 +580,17 @@ class FafoProposer:
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
-        return choice[0], longest, total, cost_points, accepted, lane_accepted
+        return numbers_of_step[0], longest, total, cost_points, accepted, lane_accepted
+
+    def _step_arrays(self, learning: tuple, cost: tuple, choice: tuple) -> StepArrays:
+        """The owners' arrays for the step's kernel, with the controller's: the last step's
+        object while none of them grew and the controller prices by the same curves
+        (:mod:`vllm_fafo.step_arrays`)."""
+        parts = (*self._table.kernel_arguments(self.metrics), *self.index.kernel_arguments(self.max_model_len),
+                 self.judge.kernel_arguments(), learning, cost, choice)
+        if same_or_new(self._held_parts, parts) is not self._held_parts:
+            self._held_parts, self._held = parts, StepArrays(*parts)
+        return self._held
 
     def _load_step_kernel(self) -> None:
         """Run the step's kernel once on an empty batch of the step's types (vLLM's token rows

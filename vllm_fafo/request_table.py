@@ -14,6 +14,7 @@ from numba import njit
 
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.serving.metrics import FafoMetrics, count_drafts
+from vllm_fafo.step_arrays import same_or_new
 
 _PAD, _LANE = ORIGIN_CODE[Origin.PAD], ORIGIN_CODE[Origin.LANE]
 
@@ -35,6 +36,10 @@ class RequestTable:
         self.draft_len = np.zeros(0, dtype=np.int64)
         self.draft_origins = np.zeros((0, self.max_draft), dtype=np.int32)
         """The last draft's tokens' :class:`~vllm_fafo.drafting.pool.Origin` codes."""
+        self._arguments: tuple | None = None
+        self._counts: tuple | None = None
+        """:meth:`kernel_arguments`' tuples, the same objects while the arrays are
+        (:func:`~vllm_fafo.step_arrays.same_or_new`)."""
         self._grow(capacity)
 
     def __len__(self) -> int:
@@ -81,9 +86,12 @@ class RequestTable:
     def kernel_arguments(self, metrics: FafoMetrics) -> tuple[tuple, tuple]:
         """The table and the metrics' counts (with the filler's and the lanes' origin codes)
         as :func:`~vllm_fafo.propose_kernel.propose_step` takes them (it settles and keeps in
-        one call with the step's other work)."""
-        return ((self.draft_len, self.draft_origins, self.prompt_len, self.next_anchor, self.owners),
-                (metrics.accepted_counts, metrics.proposed_counts, metrics.draft_counts, _PAD, _LANE))
+        one call with the step's other work); the same tuples while nothing grew."""
+        self._arguments = same_or_new(self._arguments, (self.draft_len, self.draft_origins, self.prompt_len,
+                                                         self.next_anchor, self.owners))
+        self._counts = same_or_new(self._counts, (metrics.accepted_counts, metrics.proposed_counts,
+                                                  metrics.draft_counts, _PAD, _LANE))
+        return self._arguments, self._counts
 
     def keep(self, slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, metrics: FafoMetrics) -> None:
         """The drafts proposed this step (request ``slots[i]``'s first ``lengths[i]``

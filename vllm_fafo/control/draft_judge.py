@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit
 
 from vllm_fafo.control.kernels import as_int64
+from vllm_fafo.step_arrays import same_or_new
 
 _OWNER, _START, _LENGTH, _KEY_LEN, _TOKENS = range(5)
 """Columns of the judge's table: the request's slot, the position of the text the
@@ -49,6 +50,7 @@ class DraftJudge:
         """:meth:`judge`'s answers (views of it are handed out, valid until the next call)."""
         self._index_of_slot = np.zeros(64, dtype=np.int64)
         """Scratch of :func:`judge_drafts`: each slot's place in the batch this step."""
+        self._arguments: tuple | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -87,8 +89,10 @@ class DraftJudge:
     def kernel_arguments(self) -> tuple:
         """The table as :func:`~vllm_fafo.propose_kernel.propose_step` takes it: it judges,
         then queues the step's drafts, as :meth:`judge` and :meth:`add` do (:meth:`make_room`
-        first where it says so; :meth:`finish_step` after)."""
-        return self._table, self._count, self._index_of_slot, self._judged
+        first where it says so; :meth:`finish_step` after), the drafts queued apart
+        (``len``); the same tuple while nothing grew."""
+        self._arguments = same_or_new(self._arguments, (self._table, self._index_of_slot, self._judged))
+        return self._arguments
 
     def make_room(self, drafts: int, max_slot: int) -> None:
         """Room to queue ``drafts`` more drafts, and a slot map reaching ``max_slot``."""

@@ -59,6 +59,7 @@ import numpy as np
 
 from vllm_fafo.control import kernels
 from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED
+from vllm_fafo.step_arrays import same_or_new
 
 CONTROLLERS = ("goodput", "fixed")
 
@@ -174,6 +175,8 @@ class StepCostModel:
         """The curve: recent points' tokens, fitted seconds (then the kernel's scratch)."""
         self.num_points = 0
         """Points on the curve."""
+        self._arrays = (_LOG_GRID, self._points, self._updated_at, self._steps, self.weight, self.stale_after,
+                        self.forget_after, self.fitted)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
@@ -182,11 +185,11 @@ class StepCostModel:
                                                float(seconds), self.weight, self.stale_after, self.forget_after,
                                                self.fitted)
 
-    def kernel_arguments(self, tokens: int, seconds: float) -> tuple:
-        """:meth:`observe` as :func:`~vllm_fafo.propose_kernel.propose_step` runs it (its
-        first entry: whether to; the kernel returns :attr:`num_points`)."""
-        return (tokens >= 1, float(tokens), float(seconds), _LOG_GRID, self._points, self._updated_at, self._steps,
-                self.weight, self.stale_after, self.forget_after, self.fitted)
+    def kernel_arrays(self) -> tuple:
+        """:meth:`observe`'s arrays and settings as :func:`~vllm_fafo.propose_kernel.propose_step`
+        takes them (the step's tokens and seconds beside them; the kernel returns
+        :attr:`num_points`): the same tuple for the model's life."""
+        return self._arrays
 
     @property
     def has_data(self) -> bool:
@@ -294,6 +297,7 @@ class YieldEstimates:
     """Row of :attr:`branch_trials` by rank (higher ranks share the last)."""
     _stale: bool = field(default=True, init=False, repr=False)
     _branch_stale: bool = field(default=True, init=False, repr=False)
+    _learning: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.row_of_key_len = evidence_rows(self.max_key_len)
@@ -306,6 +310,8 @@ class YieldEstimates:
         self._branch_reach = np.zeros((BRANCH_RANKS, self.max_draft))
         self._read_only_views = tuple(_read_only(table.view()) for table in (
             self._reach_overall, self._reach_by_row, self._branch_reach))
+        self._learning = (True, self.position_trials, self.position_hits, self.draft_decay, self.row_of_key_len,
+                          self.branch_trials, self.branch_hits, self.decay, self._branch_rows)
 
     def observe(self, outcome: StepOutcome) -> None:
         self.observe_counts(outcome.lane_tokens, outcome.lane_accepted, outcome.text_accepted,
@@ -329,13 +335,10 @@ class YieldEstimates:
         self.decode_rows = d * self.decode_rows + decoding_requests
         self.text_accepted = d * self.text_accepted + text_accepted
 
-    def learning_arguments(self, branch_trials: np.ndarray) -> tuple:
+    def learning_arguments(self) -> tuple:
         """What :func:`~vllm_fafo.propose_kernel.propose_step` counts the step's judged drafts
-        and ``branch_trials`` (rows: ranks, tokens, tokens accepted; contiguous int64) into,
-        as :meth:`observe` does."""
-        return (True, self.position_trials, self.position_hits, self.draft_decay, self.row_of_key_len,
-                self.branch_trials, self.branch_hits, self.decay, self._branch_rows, branch_trials[0],
-                branch_trials[1], branch_trials[2])
+        and branch trials into, as :meth:`observe` does: the same tuple for the estimates' life."""
+        return self._learning
 
     def refreshed(self) -> None:
         """The draft reach tables were brought up to date after :meth:`observe_counts` (by
@@ -447,9 +450,9 @@ class FixedController:
         self.max_draft = max_draft
         self.last = Decision(0, max_draft)
         table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
-        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index, index, index, index)
-        self._cost = StepCostModel().kernel_arguments(0, 0.0)  # tokens 0: not observed
-        self._choice = (np.zeros(1), table, table, table, 0, False, table, 0, False, 0, index)
+        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index)
+        self._cost = StepCostModel().kernel_arrays()  # never observed (the step's numbers say so)
+        self._choice = (np.zeros(1), table, table, table, False, table, False, index)
 
     def draft_room(self) -> int:
         """Drafts are found whole: ``max_draft`` tokens at most."""
@@ -474,11 +477,12 @@ class FixedController:
         return None
 
     def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
-                         requests: int, choose: bool, branch_trials: np.ndarray) -> tuple[tuple, tuple, tuple]:
+                         requests: int, choose: bool) -> tuple[tuple, tuple, tuple, tuple]:
         """Nothing learned, every draft as found, or (not ``choose``: ``pad_drafts``) padded
         to ``max_draft`` in the kernel (:meth:`GoodputController.kernel_arguments`' types, so
         that both controllers run one compiled kernel)."""
-        return self._learning, self._cost, (LENGTHS_FOUND if choose else LENGTHS_PADDED, *self._choice)
+        return self._learning, self._cost, self._choice, (
+            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0.0, 0.0, 0, 0, 0)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
                     lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
@@ -532,6 +536,8 @@ class GoodputController:
         """The draft lengths :func:`~vllm_fafo.propose_kernel.propose_step` chooses (scratch)."""
         self._observed: StepCostModel | None = None
         """The cost curve the step's kernel observes (:meth:`kernel_arguments`; None: none)."""
+        self._choice: tuple | None = None
+        """:meth:`kernel_arguments`' choice tuple (the same object while its parts are)."""
 
     # Decisions -----------------------------------------------------------------------
     def draft_room(self) -> int:
@@ -733,14 +739,17 @@ class GoodputController:
             tier.observe(decoding_requests, seconds)
 
     def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
-                         requests: int, choose: bool, branch_trials: np.ndarray) -> tuple[tuple, tuple, tuple]:
+                         requests: int, choose: bool) -> tuple[tuple, tuple, tuple, tuple]:
         """The learning, the step cost and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`
         (:meth:`finish_step` after it), for a step of ``tokens`` tokens (``lane_tokens`` and
         ``tree_tokens`` of them in its tail) that took ``seconds``, and the ``requests`` drafts
         of the next, of ``step_tokens`` tokens without them: the cost curve of such steps
-        observes it, the yields learn the judged drafts and ``branch_trials`` (:meth:`observe`);
+        observes it, the yields learn the judged drafts and the step's branch trials (:meth:`observe`);
         where ``choose``, the drafts are cut as :meth:`choose_draft_lens` would cut them (as
-        found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts."""
+        found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts.
+        The first three tuples are the same objects while the step is priced by the same
+        curves (:mod:`vllm_fafo.step_arrays`); the last is the step's numbers (mode, observe,
+        tokens, seconds, the plain and the lane curves' points, ``step_tokens``)."""
         observed = self._curve_of(lane_tokens, tree_tokens)
         self._observed = observed if tokens >= 1 else None  # a step of no tokens teaches nothing
         plain, lane_curve = self._plain_cost(self._observed), self.lane_cost
@@ -752,10 +761,12 @@ class GoodputController:
             self._lengths = np.zeros(2 * requests, dtype=np.int64)
         yields = self.yields
         reach_overall, reach_by_row, _ = yields.reach_arrays()  # the kernel refreshes them where it chooses
-        return yields.learning_arguments(branch_trials), observed.kernel_arguments(tokens, seconds), (
-            mode, reach_overall, reach_by_row, self._worth_share, plain.fitted, plain.num_points,
-            plain is observed, lane_curve.fitted, lane_curve.num_points if lanes_on else 0,
-            lanes_on and lane_curve is observed, step_tokens, self._lengths)
+        self._choice = same_or_new(self._choice, (reach_overall, reach_by_row, self._worth_share, plain.fitted,
+                                                  plain is observed, lane_curve.fitted,
+                                                  lanes_on and lane_curve is observed, self._lengths))
+        return yields.learning_arguments(), observed.kernel_arrays(), self._choice, (
+            mode, tokens >= 1, float(tokens), float(seconds), plain.num_points,
+            lane_curve.num_points if lanes_on else 0, step_tokens)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
                     lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from vllm_fafo.drafting import step_kernel, text_kernels
 from vllm_fafo.drafting.pool import PoolArena
+from vllm_fafo.step_arrays import same_or_new
 
 MATCH_DEPTH = 24
 """Deepest match looked for (as vLLM ``suffix``'s ``suffix_decoding_max_tree_depth``)."""
@@ -99,6 +100,7 @@ class TenantTexts:
         self._free_texts = list(range(63, -1, -1))
         self._tenants: OrderedDict[str | None, _Tenant] = OrderedDict()
         self._running: dict[str, _Running] = {}
+        self._arguments: tuple | None = None
 
     # texts ----------------------------------------------------------------------------
     def _new_text(self, tokens: np.ndarray) -> int:
@@ -142,6 +144,15 @@ class TenantTexts:
         self.capacities[text] = self.lengths[text] = 0
         self.answers_of[text] = -1
         self._free_texts.append(text)
+
+    def kernel_arguments(self) -> tuple:
+        """The texts as :func:`~vllm_fafo.drafting.step_kernel.file_and_draft` takes them
+        (places, store, starts, lengths, capacities, answers owner by text, key length,
+        on); the same tuple while nothing grew."""
+        self._arguments = same_or_new(self._arguments, (
+            self.positions.state, self.store, self.starts, self.lengths, self.capacities, self.answers_of,
+            self.key_len, True))
+        return self._arguments
 
     # requests -------------------------------------------------------------------------
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, PoolArena, add_each_to_pools, alternatives_in
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.shared_pool import TenantPools
+from vllm_fafo.step_arrays import same_or_new
 
 for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kernel's copies of the codes
     assert getattr(step_kernel, f"ORIGIN_{_name}") == ORIGIN_CODE[Origin[_name]], _name
@@ -84,6 +85,7 @@ class DraftIndex:
         """The kernel's deep-match arguments where there are none (the modes)."""
         self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
         self._frozen_owner = -1 if frozen is None else frozen.owner
+        self._arguments: tuple | None = None
 
     def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
         """A new request's pools (its own, then its tenant's shared one); its prompt is
@@ -132,9 +134,9 @@ class DraftIndex:
         everything it may add fits (the arrays grow here, outside it, where not). The
         drafts are views of buffers the next call reuses."""
         for _ in range(4):  # each shortage is made good once
-            index, outputs = self.kernel_arguments(max_draft, max_len)
+            index, outputs = self.kernel_arguments(max_len)
             tokens, origins, lengths, key_lens, context = outputs
-            st, frozen, frozen_owner, prior, prior_lens, texts, max_draft, max_len, ngram_len, seeded, scratch = index
+            st, frozen, frozen_owner, prior, prior_lens, texts, max_len, ngram_len, seeded, scratch = index
             status, num_keys = step_kernel.file_and_draft(
                 st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
                 next_anchors, owners, max_draft, max_len, ngram_len, seeded, tokens, origins, lengths, key_lens,
@@ -152,18 +154,16 @@ class DraftIndex:
         tokens, origins, lengths, key_lens, _ = self._outputs
         return BatchDrafts(tokens[:count], origins[:count], lengths[:count], key_lens[:count])
 
-    def kernel_arguments(self, max_draft: int, max_len: int) -> tuple[tuple, tuple]:
-        """:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`'s arguments but the batch's,
-        as two tuples (the index's, the outputs'), as
+    def kernel_arguments(self, max_len: int) -> tuple[tuple, tuple]:
+        """:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`'s arguments but the batch's
+        and the drafts' room, as two tuples (the index's, the outputs'), as
         :func:`~vllm_fafo.propose_kernel.propose_step` takes them (:meth:`make_room` where it
-        lacks room)."""
-        texts = self._no_texts
-        if self.texts is not None:
-            t = self.texts
-            texts = (t.positions.state, t.store, t.starts, t.lengths, t.capacities, t.answers_of, t.key_len, True)
-        return ((self.arena.state, self._frozen_state, self._frozen_owner, self._prior, self._prior_lens, texts,
-                 max_draft, max_len, self.config.ngram_len, self.config.seed_from_output, self._scratch),
-                self._outputs)
+        lacks room); the same tuples while nothing grew."""
+        texts = self._no_texts if self.texts is None else self.texts.kernel_arguments()
+        self._arguments = same_or_new(self._arguments, (
+            self.arena.state, self._frozen_state, self._frozen_owner, self._prior, self._prior_lens, texts, max_len,
+            self.config.ngram_len, self.config.seed_from_output, self._scratch))
+        return self._arguments, self._outputs
 
     def make_room(self, status: int, num_keys: int, owners: np.ndarray, num_tokens: np.ndarray, max_draft: int,
                   max_len: int) -> None:

@@ -95,7 +95,7 @@ class FafoConfig:
     """MiB of earlier requests' answers (outputs) kept per tenant for deep matches
     (vllm_fafo.drafting.deep_match; the earliest finished is dropped): an answer is charged
     its text's tokens (4 bytes each) and about 0.1 kB per answer token for its places
-    (``TenantTexts.answer_charge``); 16 MiB holds ~680 answers of 250 tokens after 100-token
+    (``TenantTexts.answer_charge``); 16 MiB holds ~710 answers of 250 tokens after 100-token
     prompts. At most ``shared_pool_tenants`` tenants are kept. 0, or ``share_pool`` false: each
     request matches in its own text only."""
     pad_drafts: bool = False

@@ -41,7 +41,7 @@ assert step_kernel.MATCH_DEPTH == MATCH_DEPTH
 MAX_POSITIONS = 4
 """Latest places per key compared, in the own text and in the answers. Eight (the pool's
 ``pool_capacity``) drafted no better on MT-Bench, HumanEval and GSM8K (tau within 0.1 %,
-uncut and cut) and cost 7-16 % more host time per step at batch 8-128
+uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 (docs/results/host-time.md)."""
 
 

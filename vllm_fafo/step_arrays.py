@@ -4,13 +4,14 @@ Between two forwards the processor's caches are cold, and a numba call pays for
 every Python object it types and unboxes. :func:`~vllm_fafo.propose_kernel.propose_step`
 takes about 60 arrays and scalars; a trivial kernel taking them in tuples, as the
 owners built them, cost 61-83 us cold (2-core CPU), one taking the same tuples in
-one numba structref 32-40 (and one taking a fifth of them in tuples, the rest in a
-structref, as much as the tuples: docs/results/host-time.md). The request table's,
-the metrics', the draft index's, its outputs', the judge's and the controller's
-arrays change only where one of them grows (reallocates) or the controller prices
-a step by another cost curve, so :class:`StepArrays` holds them and the proposer
-makes a new one only then (:func:`same_or_new` tells); what changes every step
-(the batch, the controller's counts) is passed beside it as arrays and scalars.
+one numba structref 32-40, and one taking the owners' tuples in a structref and the
+controller's three beside it as much as the tuples (docs/results/host-time.md).
+The request table's, the metrics', the draft index's, its outputs', the judge's
+and the controller's arrays change only where one of them grows (reallocates) or
+the controller prices a step by another cost curve, so :class:`StepArrays` holds
+them and the proposer makes a new one only then (:func:`same_or_new` tells); what
+changes every step (the batch, the controller's counts) is passed beside it as
+arrays and scalars.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ class RequestTable:
         one call with the step's other work); the same tuples while nothing grew."""
         self._arguments = same_or_new(self._arguments, (self.draft_len, self.draft_origins, self.prompt_len,
                                                          self.next_anchor, self.owners))
-        self._counts = same_or_new(self._counts, (metrics.accepted_counts, metrics.proposed_counts,
-                                                  metrics.draft_counts, _PAD, _LANE))
+        if self._counts is None or self._counts[0] is not metrics.accepted_counts:  # a metrics' arrays never grow
+            self._counts = (metrics.accepted_counts, metrics.proposed_counts, metrics.draft_counts, _PAD, _LANE)
         return self._arguments, self._counts
 
     def keep(self, slots: np.ndarray, origins: np.ndarray, lengths: np.ndarray, metrics: FafoMetrics) -> None:

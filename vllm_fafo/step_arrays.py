@@ -56,7 +56,7 @@ def same_or_new(held: tuple | None, parts: tuple) -> tuple:
     """``held`` where its items are the very objects of ``parts`` (nothing was
     reallocated; scalars equal), else ``parts``: a tuple of arrays whose identity stands
     for its contents' place in memory."""
-    if held is None or len(held) != len(parts):
+    if held is None:
         return parts
     for old, new in zip(held, parts):
         if old is not new and not (type(old) in _SCALARS and old == new):

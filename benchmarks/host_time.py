@@ -19,7 +19,8 @@ microseconds, and the steps' count.
 call with its arguments, the controller's bookkeeping after it, the metrics'
 publishing) and prints, after the
 method's rows, their medians per call and what ``propose`` spends outside them (its own
-Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists).
+Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists),
+then the lanes' planning before the forward (:data:`PLANNING_PARTS`).
 vLLM's own methods have no parts; their timers add to the step, so compare totals
 without ``--parts``.
 
@@ -47,6 +48,15 @@ PARTS = (
     ("vllm_fafo.control.goodput", "GoodputController", "choose_tier"),
 )
 """``--parts``: (module, class, method) of what FAFO's ``propose`` calls, and itself (first)."""
+PLANNING_PARTS = (
+    ("vllm_fafo.proposer", "FafoProposer", "plan_forward"),
+    ("vllm_fafo.lanes.planner", "FumbleLanes", "plan_step"),
+    ("vllm_fafo.lanes.planner", "FumbleLanes", "_rows_with_region"),
+    ("vllm_fafo.lanes.planner", "FumbleLanes", "_active_lanes"),
+    ("vllm_fafo.control.goodput", "GoodputController", "choose_lanes"),
+)
+"""``--parts``: the lanes' planning before the forward (the largest of the other hooks on CPU,
+where lanes run: their planning runs while they are parked), each nested in the one above it."""
 
 
 def timed(original, seconds: list[float]):
@@ -101,11 +111,11 @@ def timed_proposer_hooks(times: dict[str, list[float]]) -> None:
     GPUModelRunner.propose_draft_token_ids = step_end
 
 
-def timed_parts(times: dict[str, list[float]]) -> None:
-    """Wrap :data:`PARTS`, appending each call's seconds under ``Class.method``."""
+def timed_parts(times: dict[str, list[float]], parts: tuple[tuple[str, str, str], ...]) -> None:
+    """Wrap ``parts`` (module, class, method), appending each call's seconds under ``Class.method``."""
     import importlib
 
-    for module, cls_name, name in PARTS:
+    for module, cls_name, name in parts:
         cls = getattr(importlib.import_module(module), cls_name)
         times[f"{cls_name}.{name}"] = []
         setattr(cls, name, timed(getattr(cls, name), times[f"{cls_name}.{name}"]))
@@ -130,6 +140,12 @@ def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[st
         rows.append(f"| {label} | {batch} | propose outside the parts above | "
                     f"{1e6 * statistics.median(p - i for p, i in zip(propose, inside)):.0f} |")
     return rows
+
+
+def planning_rows(label: str, batch: int, steps: int, planning: dict[str, list[float]]) -> list[str]:
+    """Markdown rows: each planning part's median us per call, with its calls in ``steps`` steps."""
+    return [f"| {label} | {batch} | {name} ({len(seconds)} calls in {steps} steps) | {1e6 * statistics.median(seconds):.0f} |"
+            for name, seconds in planning.items() if seconds]
 
 
 def main() -> None:
@@ -163,8 +179,10 @@ def main() -> None:
     timed_runner_methods(times)
     timed_proposer_hooks(times)
     parts: dict[str, list[float]] = {}
+    planning: dict[str, list[float]] = {}
     if args.parts and spec and spec.get("method") in ("fafo", "lookahead", "cacheback"):
-        timed_parts(parts)
+        timed_parts(parts, PARTS)
+        timed_parts(planning, PLANNING_PARTS)
     part_rows: list[str] = []
     if spec and spec.get("method") == "fafo":
         smollm2_prior_table()
@@ -175,7 +193,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for seconds in (*times.values(), *parts.values()):
+        for seconds in (*times.values(), *parts.values(), *planning.values()):
             seconds.clear()
         llm.generate(prompts[:batch], params, use_tqdm=False)
         steps = min(len(times[name]) for name in times)
@@ -185,6 +203,7 @@ def main() -> None:
               f"| {1e6 * statistics.median(hooks):.0f} "
               f"| {1e6 * statistics.median(a + b for a, b in zip(per_step, hooks)):.0f} |", flush=True)
         part_rows += parts_rows(label, batch, parts) if parts else []
+        part_rows += planning_rows(label, batch, steps, planning)
     if part_rows:
         print("\n| method | batch | part | median us per call |\n|---|---|---|---|", *part_rows, sep="\n", flush=True)
 

@@ -504,6 +504,14 @@ def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
         "| fafo | 8 | FafoProposer.propose | 20 |",
         "| fafo | 8 | propose outside the parts above | 14 |",
     ]
+    planning = {"FumbleLanes.plan_step": [3e-6, 5e-6, 4e-6], "GoodputController.choose_lanes": [2e-6],
+                "FumbleLanes._active_lanes": []}
+    assert host_time.planning_rows("fafo", 8, 3, planning) == [
+        "| fafo | 8 | FumbleLanes.plan_step (3 calls in 3 steps) | 4 |",
+        "| fafo | 8 | GoodputController.choose_lanes (1 calls in 3 steps) | 2 |",
+    ]
+    for module, cls_name, name in (*host_time.PARTS, *host_time.PLANNING_PARTS):  # a renamed method fails here
+        assert callable(getattr(getattr(importlib.import_module(module), cls_name), name)), (cls_name, name)
 
 
 def test_cold_calls_times_each_call_warm_and_cold():

@@ -210,7 +210,7 @@ class TenantTexts:
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
         found, end, depth = text_kernels.deep_match(
             self.positions.state, self.store, self.starts, self.lengths, context, len(context), self.key_len,
-            own, answers, text, np.zeros(MAX_POSITIONS, dtype=np.int64))
+            own, answers, text)
         if depth == 0:
             return [], 0
         start = int(self.starts[found]) + end + 1

@@ -112,7 +112,7 @@ class PoolArena:
         self._grow_entries(256, candidate_len)
         self._grow_owners(8)
         self._free_owners: list[int] = list(range(7, -1, -1))
-        self.scratch = np.zeros(4 * (2 * capacity + 1), dtype=np.int64)
+        self.scratch = np.zeros(2 * (2 * capacity + 1), dtype=np.int64)
         """Room for :func:`~vllm_fafo.drafting.pool_kernels.match_pair` (both pools' votes)."""
         self._state: tuple | None = None
 

@@ -335,17 +335,32 @@ def _count_of(firsts, counts, num, token):
 
 
 @njit(cache=True)
+def _most_voted(st, s, firsts, counts, num):
+    """Slot ``s``'s candidate whose first token has the most votes in (firsts, counts)[:num],
+    the most recently used among equals (stamps are unique), and its votes: one pass,
+    what walking the candidates newest first and keeping each one with more votes finds."""
+    best, best_votes, best_stamp = -1, -1, np.int64(0)
+    e = st[ST_SLOTS][s, S_HEAD]
+    while e >= 0:
+        c = _count_of(firsts, counts, num, st[ST_ENTRIES][e, E_TOK + 0])
+        if c > best_votes or (c == best_votes and st[ST_STAMPS][e] > best_stamp):
+            best, best_votes, best_stamp = e, c, st[ST_STAMPS][e]
+        e = st[ST_ENTRIES][e, E_NEXT]
+    return best, best_votes
+
+
+@njit(cache=True)
 def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
     """The Python pool's ``match_pools`` over pool A (``own_a`` in ``st_a``) and, where
     ``own_b`` >= 0, pool B: returns (pool index, entry, key length), (-1, -1, 0) where
     neither holds a candidate under any suffix of ``ctx[k0:k1]``. The chosen key and
     candidate are refreshed as their pool's settings say. ``guess`` < 0: none.
-    ``scratch``: int64 room for 4 x (both pools' capacity + 1)."""
+    ``scratch``: int64 room for 2 x (both pools' capacity + 1)."""
     cfg = st_a[ST_CFG]
     longest = min(cfg[CFG_MAX_KEY], k1 - k0)
     votes = cfg[CFG_VOTES] != 0
-    cap = (len(scratch) // 4)
-    order, firsts, counts = scratch[:cap], scratch[cap : 2 * cap], scratch[2 * cap : 3 * cap]
+    cap = len(scratch) // 2
+    firsts, counts = scratch[:cap], scratch[cap : 2 * cap]
     for key_len in range(longest, cfg[CFG_MIN_KEY] - 1, -1):
         start = k1 - key_len
         sa = find_slot(st_a, own_a, ctx, start, key_len)
@@ -371,16 +386,13 @@ def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
             if sb >= 0:
                 num = _votes(st_b, sb, firsts, counts, num)
             best_votes = -1
-            if sa >= 0:
-                for i in range(by_recency(st_a, sa, order)):
-                    c = _count_of(firsts, counts, num, st_a[ST_ENTRIES][order[i], E_TOK + 0])
-                    if c > best_votes:
-                        which, best, best_votes = 0, order[i], c
+            if sa >= 0:  # the own pool first: the shared one's candidate must have more votes
+                which = 0
+                best, best_votes = _most_voted(st_a, sa, firsts, counts, num)
             if sb >= 0:
-                for i in range(by_recency(st_b, sb, order)):
-                    c = _count_of(firsts, counts, num, st_b[ST_ENTRIES][order[i], E_TOK + 0])
-                    if c > best_votes:
-                        which, best, best_votes = 1, order[i], c
+                entry, entry_votes = _most_voted(st_b, sb, firsts, counts, num)
+                if entry_votes > best_votes:
+                    which, best = 1, entry
         st = st_a if which == 0 else st_b
         refresh_key(st, sa if which == 0 else sb)
         if st[ST_CFG][CFG_TOUCH] != 0:

@@ -162,10 +162,9 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     if room_status != ROOM_OK:
         return room_status, num_keys
     place = np.zeros(2, dtype=np.int32)
-    order = np.zeros(len(scratch), dtype=np.int64)
     if _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
                      seed_from_output, max_key, num_keys) == -1:  # never: keeps the reads
-        order[0] = 0
+        place[0] = 1
     for i in range(len(rows)):
         s = slots[i]
         own, shared = owners[s, 0], owners[s, 1]
@@ -203,7 +202,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                 for j in range(n_tok - k0):
                     context[j] = hist[k0 + j]
                 found, end, depth = deep_match(pos, store, t_start, t_len, context, n_tok - k0, deep_key,
-                                               text_own, t_answers[text], text, order)
+                                               text_own, t_answers[text], text)
                 if depth > 0:
                     first_key, first = depth, False
                     src = t_start[found] + end + 1

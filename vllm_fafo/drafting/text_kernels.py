@@ -13,6 +13,7 @@ kernels): under the request's own owner the positions in its own text
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from vllm_fafo.drafting.pool_kernels import (
@@ -21,7 +22,7 @@ from vllm_fafo.drafting.pool_kernels import (
     S_HEAD,
     ST_ENTRIES,
     ST_SLOTS,
-    by_recency,
+    ST_STAMPS,
     file_candidate,
     find_slot,
     remove_entry,
@@ -71,34 +72,35 @@ def _depth(store, start, end, context, n_ctx):
 
 
 @njit(cache=True)
-def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers, own_text, order):
+def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers, own_text):
     """The deepest match of ``context[:n_ctx]``'s end at least ``key_len`` deep: in the
-    kept answers (places under ``answers``, other texts than ``own_text``, oldest
-    first) and then in the own text (positions under ``own``, oldest first), the latest
-    on ties. Returns (text id, end position, depth), depth 0 where none."""
-    best_text, best_end, best_depth = -1, -1, 0
+    kept answers (places under ``answers``, other texts than ``own_text``) and in the
+    own text (positions under ``own``), the own text on ties, then the latest place
+    (stamps are unique: one pass over each key's places, no sorting). Returns (text id,
+    end position, depth), depth 0 where none."""
+    best_text, best_end, best_depth, best_stamp = -1, -1, 0, np.int64(0)
     if n_ctx < key_len:
         return best_text, best_end, best_depth
     k0 = n_ctx - key_len
     if answers >= 0:
         s = find_slot(pos, answers, context, k0, key_len)
-        if s >= 0:
-            count = by_recency(pos, s, order)
-            for i in range(count - 1, -1, -1):  # oldest first
-                text, end = pos[ST_ENTRIES][order[i], E_TOK + 0], pos[ST_ENTRIES][order[i], E_TOK + 1]
-                if text == own_text:
-                    continue
+        e = -1 if s < 0 else pos[ST_SLOTS][s, S_HEAD]
+        while e >= 0:
+            text, end = pos[ST_ENTRIES][e, E_TOK + 0], pos[ST_ENTRIES][e, E_TOK + 1]
+            if text != own_text:
                 depth = _depth(store, t_start[text], end, context, n_ctx)
-                if depth >= best_depth:
-                    best_text, best_end, best_depth = text, end, depth
+                if depth > best_depth or (depth == best_depth and pos[ST_STAMPS][e] > best_stamp):
+                    best_text, best_end, best_depth, best_stamp = text, end, depth, pos[ST_STAMPS][e]
+            e = pos[ST_ENTRIES][e, E_NEXT]
+    own_found = False
     s = find_slot(pos, own, context, k0, key_len)
-    if s >= 0:
-        count = by_recency(pos, s, order)
-        for i in range(count - 1, -1, -1):
-            end = pos[ST_ENTRIES][order[i], E_TOK + 0]
-            depth = _depth(store, t_start[own_text], end, context, n_ctx)
-            if depth >= best_depth:
-                best_text, best_end, best_depth = own_text, end, depth
+    e = -1 if s < 0 else pos[ST_SLOTS][s, S_HEAD]
+    while e >= 0:
+        end = pos[ST_ENTRIES][e, E_TOK + 0]
+        depth = _depth(store, t_start[own_text], end, context, n_ctx)
+        if depth > best_depth or (depth == best_depth and (not own_found or pos[ST_STAMPS][e] > best_stamp)):
+            best_text, best_end, best_depth, best_stamp, own_found = own_text, end, depth, pos[ST_STAMPS][e], True
+        e = pos[ST_ENTRIES][e, E_NEXT]
     if best_depth < key_len:
         return -1, -1, 0
     return best_text, best_end, best_depth

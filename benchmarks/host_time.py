@@ -121,6 +121,11 @@ def timed_parts(times: dict[str, list[float]], parts: tuple[tuple[str, str, str]
         setattr(cls, name, timed(getattr(cls, name), times[f"{cls_name}.{name}"]))
 
 
+def part_row(label: str, batch: int, name: str, seconds: list[float], calls: str = "") -> str:
+    """A markdown row: a part's median us per call (``calls``: a note on how often it ran)."""
+    return f"| {label} | {batch} | {name}{calls} | {1e6 * statistics.median(seconds):.0f} |"
+
+
 def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[str]:
     """Markdown rows: each part's median us per call, and the median of what ``propose``
     spends outside the parts called once per ``propose`` (all of them, where nothing changed)."""
@@ -131,12 +136,11 @@ def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[st
         if not seconds:
             continue
         once = len(seconds) == steps
-        rows.append(f"| {label} | {batch} | {name}{'' if once else f' ({len(seconds)} calls in {steps} steps)'} "
-                    f"| {1e6 * statistics.median(seconds):.0f} |")
+        rows.append(part_row(label, batch, name, seconds, "" if once else f" ({len(seconds)} calls in {steps} steps)"))
         if once:
             inside = [a + b for a, b in zip(inside, seconds)]
     if steps:
-        rows.append(f"| {label} | {batch} | FafoProposer.propose | {1e6 * statistics.median(propose):.0f} |")
+        rows.append(part_row(label, batch, "FafoProposer.propose", propose))
         rows.append(f"| {label} | {batch} | propose outside the parts above | "
                     f"{1e6 * statistics.median(p - i for p, i in zip(propose, inside)):.0f} |")
     return rows
@@ -144,7 +148,7 @@ def parts_rows(label: str, batch: int, parts: dict[str, list[float]]) -> list[st
 
 def planning_rows(label: str, batch: int, steps: int, planning: dict[str, list[float]]) -> list[str]:
     """Markdown rows: each planning part's median us per call, with its calls in ``steps`` steps."""
-    return [f"| {label} | {batch} | {name} ({len(seconds)} calls in {steps} steps) | {1e6 * statistics.median(seconds):.0f} |"
+    return [part_row(label, batch, name, seconds, f" ({len(seconds)} calls in {steps} steps)")
             for name, seconds in planning.items() if seconds]
 
 

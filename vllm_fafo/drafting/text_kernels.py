@@ -72,36 +72,40 @@ def _depth(store, start, end, context, n_ctx):
 
 
 @njit(cache=True)
+def _deepest_place(pos, s, store, t_start, context, n_ctx, own_text, answers_key, best):
+    """``best`` (text, end, depth, stamp, the own text's) after the places under slot ``s``
+    (-1: none): answers' (text id, end) where ``answers_key``, other texts than
+    ``own_text``; else the own text's ends. A place beats the best so far where deeper,
+    or as deep and the own text's where the best is not, or as deep, of the same kind and
+    later (stamps are unique: one pass, no sorting)."""
+    e = -1 if s < 0 else pos[ST_SLOTS][s, S_HEAD]
+    while e >= 0:
+        text = pos[ST_ENTRIES][e, E_TOK + 0] if answers_key else own_text
+        end = pos[ST_ENTRIES][e, E_TOK + 1] if answers_key else pos[ST_ENTRIES][e, E_TOK + 0]
+        if not (answers_key and text == own_text):
+            mine, stamp = not answers_key, pos[ST_STAMPS][e]
+            depth = _depth(store, t_start[text], end, context, n_ctx)
+            if depth > best[2] or (depth == best[2] and (mine and not best[4] or mine == best[4] and stamp > best[3])):
+                best = (text, end, depth, stamp, mine)
+        e = pos[ST_ENTRIES][e, E_NEXT]
+    return best
+
+
+@njit(cache=True)
 def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers, own_text):
     """The deepest match of ``context[:n_ctx]``'s end at least ``key_len`` deep: in the
     kept answers (places under ``answers``, other texts than ``own_text``) and in the
     own text (positions under ``own``), the own text on ties, then the latest place
-    (stamps are unique: one pass over each key's places, no sorting). Returns (text id,
-    end position, depth), depth 0 where none."""
-    best_text, best_end, best_depth, best_stamp = -1, -1, 0, np.int64(0)
+    (:func:`_deepest_place`). Returns (text id, end position, depth), depth 0 where none."""
     if n_ctx < key_len:
-        return best_text, best_end, best_depth
-    k0 = n_ctx - key_len
-    if answers >= 0:
-        s = find_slot(pos, answers, context, k0, key_len)
-        e = -1 if s < 0 else pos[ST_SLOTS][s, S_HEAD]
-        while e >= 0:
-            text, end = pos[ST_ENTRIES][e, E_TOK + 0], pos[ST_ENTRIES][e, E_TOK + 1]
-            if text != own_text:
-                depth = _depth(store, t_start[text], end, context, n_ctx)
-                if depth > best_depth or (depth == best_depth and pos[ST_STAMPS][e] > best_stamp):
-                    best_text, best_end, best_depth, best_stamp = text, end, depth, pos[ST_STAMPS][e]
-            e = pos[ST_ENTRIES][e, E_NEXT]
-    own_found = False
-    s = find_slot(pos, own, context, k0, key_len)
-    e = -1 if s < 0 else pos[ST_SLOTS][s, S_HEAD]
-    while e >= 0:
-        end = pos[ST_ENTRIES][e, E_TOK + 0]
-        depth = _depth(store, t_start[own_text], end, context, n_ctx)
-        if depth > best_depth or (depth == best_depth and (not own_found or pos[ST_STAMPS][e] > best_stamp)):
-            best_text, best_end, best_depth, best_stamp, own_found = own_text, end, depth, pos[ST_STAMPS][e], True
-        e = pos[ST_ENTRIES][e, E_NEXT]
-    if best_depth < key_len:
         return -1, -1, 0
-    return best_text, best_end, best_depth
-
+    k0 = n_ctx - key_len
+    best = (-1, -1, 0, np.int64(0), False)
+    if answers >= 0:
+        best = _deepest_place(pos, find_slot(pos, answers, context, k0, key_len), store, t_start, context, n_ctx,
+                              own_text, True, best)
+    best = _deepest_place(pos, find_slot(pos, own, context, k0, key_len), store, t_start, context, n_ctx, own_text,
+                          False, best)
+    if best[2] < key_len:
+        return -1, -1, 0
+    return best[0], best[1], best[2]

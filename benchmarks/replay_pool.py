@@ -86,7 +86,7 @@ class _Running:
         self.prompt_len = prompt_len
         self.output = output
         self.done = 1  # output tokens decoded: the prefill's forward gave the first
-        self.pools: tuple = ()
+        self.pool = None  # its RequestPool in the draft index
         self.next_anchor = 0
         self.slot = int(req_id)  # the draft judge's key: each request's own (ids are their order)
 
@@ -163,19 +163,19 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
     for event, payload in scheduled(requests, batch_size):
         if event == "start":
             request = payload
-            request.pools = index.new_pools(request.req_id, None, request.history[: request.prompt_len])
+            request.pool = index.start(request.req_id, None, request.history[: request.prompt_len])
             request.next_anchor = first_anchor(config, request.prompt_len)
             forwards += 1  # the prefill's forward gives the first token
             continue
         if event == "finish":
-            index.stop(payload.req_id)
+            index.stop(payload.req_id, payload.pool, payload.next_anchor - first_anchor(config, payload.prompt_len))
             judge.forget([payload.slot])
             tokens += len(payload.output)
             continue
         running = payload
         num_tokens = np.array([request.num_tokens for request in running], dtype=np.int64)
         next_anchors = np.array([request.next_anchor for request in running], dtype=np.int64)
-        owners = np.stack([index.owners(request.req_id, request.pools) for request in running])
+        owners = np.stack([index.owners(request.req_id, request.pool) for request in running])
         batch = np.arange(len(running))
         room = k if controller is None else controller.draft_room()
         found = index.draft_batch(batch, owners, np.array([request.prompt_len for request in running], dtype=np.int64),
@@ -188,7 +188,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             context = key_context(request.history, request.num_tokens, max_key_len)
             contexts.append(context)
             if oracle:
-                candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pools, context))]
+                candidates = [draft, *(list(c[:k]) for c in alternatives_in(request.pool, context))]
                 draft = max(candidates, key=lambda c: accepted_prefix(c, request.output, request.done))
             drafts.append(draft)
         draft_lens = np.array(list(map(len, drafts)), dtype=np.int64)
@@ -203,7 +203,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
         accepted = []
         for request, draft, context in zip(running, drafts, contexts):
             branches = () if not grows_trees else grow_branches(
-                request.pools, context, draft, config.num_candidates - 1, config.tree_tokens - len(draft))
+                request.pool, context, draft, config.num_candidates - 1, config.tree_tokens - len(draft))
             branch_tokens += sum(len(branch.tokens) for branch in branches)
             on_spine, off_spine = advance_tree(request, draft, branches)
             accepted.append(on_spine)

@@ -3,7 +3,9 @@
 
 This was the plugin's pool until the native one replaced it (2026-12-02);
 tests/test_native_pool.py drives both with the same random and real token streams
-and asserts the same answers, evictions and isolation.
+and asserts the same answers, evictions and isolation. Since 2026-12-04 a tenant's
+requests share one pool, each candidate tagged with the request that last filed it
+(``RequestPool``'s tag; -1: the pool is the asker's alone).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from vllm_fafo.drafting.pool import GUESS_VOTES, RANKINGS, Candidate, Match, Origin
+from vllm_fafo.drafting.pool import GUESS_VOTES, OWN_VOTES, RANKINGS, Candidate, Match, Origin, RequestPool
 
 _ORIGINS = tuple(Origin)
 _ORIGIN_CODE = {origin: code for code, origin in enumerate(_ORIGINS)}
@@ -64,8 +66,10 @@ class NgramPool:
         self.refresh_keys = bool(max_keys) and key_eviction == "lru"
         self.touch_on_lookup = touch_on_lookup
         self.rank = rank
-        self._table: dict[bytes, dict[bytes, int]] = OrderedDict() if max_keys else {}
-        """Key -> its candidates and their origins' codes (:func:`_packed`), least
+        self.running_keys = 0
+        """Keys held on top of ``max_keys`` (its running requests', where it is a tenant's)."""
+        self._table: dict[bytes, dict[bytes, tuple[int, int]]] = OrderedDict() if max_keys else {}
+        """Key -> its candidates and their (origin code, tag) (:func:`_packed`), least
         recently used first (a dict keeps insertion order, and a new one costs less than
         an OrderedDict: the pool makes one per new key).
         Keys are kept in recency order (an OrderedDict) only where ``max_keys`` evicts by
@@ -83,24 +87,25 @@ class NgramPool:
         ``context`` only needs its last K tokens; callers pass a short slice.
         Re-adding a known candidate refreshes its recency and origin.
         """
-        add_to_pools((self,), context, candidate, origin)
+        file_in(RequestPool(self, -1), context, candidate, origin)
 
-    def _file(self, suffix: bytes, longest: int, candidate: bytes, code: int) -> None:
-        """:meth:`add` of a packed candidate under the packed ``longest``-token suffix."""
+    def _file(self, suffix: bytes, longest: int, candidate: bytes, value: tuple[int, int]) -> None:
+        """:meth:`add` of a packed candidate, its (origin code, tag), under the packed
+        ``longest``-token suffix."""
         table, max_keys = self._table, self.max_keys
         for key_len in range(self.min_key_len, longest + 1):
             key = suffix[(longest - key_len) * _TOKEN_BYTES :]
             entries = table.get(key)
             if entries is None:
-                table[key] = {candidate: code}
-                if max_keys and len(table) > max_keys:
+                table[key] = {candidate: value}
+                while max_keys and len(table) > max_keys + self.running_keys:
                     table.popitem(last=False)
                 continue
             if self.refresh_keys:
                 table.move_to_end(key)
             if entries.pop(candidate, None) is None and len(entries) >= self.capacity:
                 del entries[next(iter(entries))]  # the least recently used
-            entries[candidate] = code  # (re)inserted last: the most recently used
+            entries[candidate] = value  # (re)inserted last: the most recently used
 
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """Most recently used candidate under the longest matching suffix, and its origin."""
@@ -113,22 +118,23 @@ class NgramPool:
         The key's recency is refreshed; the candidate's only with
         ``touch_on_lookup``.
         """
-        return match_pools((self,), context)
+        return match_in(RequestPool(self, -1), context)
 
-    def _take(self, key: bytes, entries: dict[bytes, int], candidate: bytes) -> tuple[Candidate, Origin]:
-        """``candidate`` (packed, under ``key``) as a lookup's answer, refreshed as :meth:`match` says."""
+    def _take(self, key: bytes, entries: dict[bytes, tuple[int, int]], candidate: bytes) -> tuple[int, int]:
+        """``candidate``'s (origin code, tag) (packed, under ``key``) as a lookup's answer,
+        refreshed as :meth:`match` says."""
         if self.refresh_keys:
             self._table.move_to_end(key)
-        code = entries[candidate]
+        value = entries[candidate]
         if self.touch_on_lookup:
             entries[candidate] = entries.pop(candidate)
-        return _unpacked(candidate), _ORIGINS[code]
+        return value
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
         """Every candidate under the suffixes of ``context``, longest key first,
         most recently used first under each key, each once; recency untouched
         (the draft tree's branches, :mod:`vllm_fafo.verification.draft_tree`)."""
-        return alternatives_in((self,), context)
+        return alternatives_in(RequestPool(self, -1), context)
 
     def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
         """Candidates under exactly ``key``, most recently used first; recency untouched."""
@@ -168,86 +174,76 @@ class NgramPool:
         return list(map(_unpacked, self._table))
 
 
-def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
-    """:meth:`NgramPool.add` into every pool, the tokens packed once for all of them.
-    All pools must use the same key lengths."""
+def _own(tag: int, me: int) -> bool:
+    return me < 0 or tag == me
+
+
+def file_in(target: RequestPool, context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
+    """:meth:`NgramPool.add` into ``target``'s pool, tagged as its."""
     if not candidate:
         return
-    longest = min(pools[0].max_key_len, len(context))
-    suffix, packed, code = _packed(context[len(context) - longest :]), _packed(candidate), _ORIGIN_CODE[origin]
-    for pool in pools:
-        pool._file(suffix, longest, packed, code)
+    pool, tag = target
+    longest = min(pool.max_key_len, len(context))
+    pool._file(_packed(context[len(context) - longest :]), longest, _packed(candidate), (_ORIGIN_CODE[origin], tag))
 
 
-def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int | None = None) -> Match | None:
-    """A candidate under the longest suffix of ``context`` any pool holds one under.
-    A candidate found in a pool after the first is reported as :attr:`Origin.SHARED`.
-    All pools must use the same key lengths and ranking.
+def match_in(target: RequestPool, context: Sequence[int], guess: int | None = None) -> Match | None:
+    """A candidate under the longest suffix of ``context`` the pool holds one under, for
+    the request ``target`` tags (-1: every candidate is its own); one another request
+    filed is reported as :attr:`Origin.SHARED`.
 
-    Ranked by ``recency`` (the first pool's ``rank``): the most recently used
-    candidate of the first pool that has one (a request's own pool before the
-    shared one). By ``votes``: the candidate whose first token the most
-    candidates under the key begin with, counted over all pools (a text the
-    request's own pool and the shared one both hold counts twice, so the own text
-    weighs more), ``guess`` (the next token the fallbacks would draft, the prior
-    table's) casting :data:`GUESS_VOTES` more; ties go as by recency. Where a key's
-    candidates disagree, the majority is right more often than the newest: tau
-    2.268 -> 2.316 on the MT-Bench replay (docs/results/draft-sources.md "Candidate ranking, replayed")."""
-    first = pools[0]
-    longest = min(first.max_key_len, len(context))
+    Ranked by ``recency`` (the pool's ``rank``): the request's most recently used
+    candidate, else the most recently used. By ``votes``: the candidate whose first
+    token has the most votes, the request's own casting :data:`OWN_VOTES` (1 where the
+    pool is its alone), others' 1, ``guess`` :data:`GUESS_VOTES`; ties go to the
+    request's own, then to the most recently used."""
+    pool, me = target
+    longest = min(pool.max_key_len, len(context))
     suffix = _packed(context[len(context) - longest :])
-    for key_len in range(longest, first.min_key_len - 1, -1):
+    for key_len in range(longest, pool.min_key_len - 1, -1):
         key = suffix[(longest - key_len) * _TOKEN_BYTES :]
-        chosen = _voted(pools, key, guess) if first.rank == "votes" else _newest_held(pools, key)
-        if chosen is not None:
-            index, pool, entries, candidate = chosen
-            found, origin = pool._take(key, entries, candidate)
-            return Match(found, origin if index == 0 else Origin.SHARED, key_len)
-    return None
-
-
-_Choice = tuple[int, NgramPool, dict[bytes, int], bytes]
-"""A lookup's pick under one key: the pool's index and the pool, the key's entries there,
-the packed candidate."""
-
-
-def _newest_held(pools: Sequence[NgramPool], key: bytes) -> _Choice | None:
-    """:func:`match_pools`'s ``recency`` pick under exactly ``key``."""
-    for index, pool in enumerate(pools):
         entries = pool._table.get(key)
-        if entries:
-            return index, pool, entries, next(reversed(entries))
+        if not entries:
+            continue
+        chosen = _voted(entries, me, guess) if pool.rank == "votes" else _newest_held(entries, me)
+        code, tag = pool._take(key, entries, chosen)
+        return Match(_unpacked(chosen), _ORIGINS[code] if _own(tag, me) else Origin.SHARED, key_len)
     return None
 
 
-def _voted(pools: Sequence[NgramPool], key: bytes, guess: int | None) -> _Choice | None:
-    """:func:`match_pools`'s ``votes`` pick under exactly ``key``: compares packed first
+def _newest_held(entries: dict[bytes, tuple[int, int]], me: int) -> bytes:
+    """:func:`match_in`'s ``recency`` pick among a key's entries."""
+    newest_first = list(reversed(entries))
+    return next((c for c in newest_first if _own(entries[c][1], me)), newest_first[0])
+
+
+def _voted(entries: dict[bytes, tuple[int, int]], me: int, guess: int | None) -> bytes:
+    """:func:`match_in`'s ``votes`` pick among a key's entries: compares packed first
     tokens (4 bytes), no unpacking."""
-    held = [(index, pool, entries) for index, pool in enumerate(pools) if (entries := pool._table.get(key))]
+    weight = {True: OWN_VOTES if me >= 0 else 1, False: 1}
     votes: dict[bytes, int] = {} if guess is None else {_packed((guess,)): GUESS_VOTES}
-    for _, _, entries in held:
-        for candidate in entries:
-            votes[candidate[:_TOKEN_BYTES]] = votes.get(candidate[:_TOKEN_BYTES], 0) + 1
-    best, best_votes = None, -1
-    for index, pool, entries in held:
-        for candidate in reversed(entries):
-            count = votes[candidate[:_TOKEN_BYTES]]
-            if count > best_votes:
-                best, best_votes = (index, pool, entries, candidate), count
+    for candidate, (_, tag) in entries.items():
+        votes[candidate[:_TOKEN_BYTES]] = votes.get(candidate[:_TOKEN_BYTES], 0) + weight[_own(tag, me)]
+    best, best_rank = b"", (-1, False)
+    for candidate in reversed(entries):  # newest first: a later one must rank higher
+        rank = (votes[candidate[:_TOKEN_BYTES]], _own(entries[candidate][1], me))
+        if rank > best_rank:
+            best, best_rank = candidate, rank
     return best
 
 
-def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:
-    """Every candidate of every pool under the suffixes of ``context``, longest key
-    first, then pool order, then most recently used first; each once."""
+def alternatives_in(target: RequestPool, context: Sequence[int]) -> Iterator[Candidate]:
+    """Every candidate under the suffixes of ``context``, longest key first, then the
+    request's own, then most recently used first; each once."""
     seen: set[Candidate] = set()
-    first = pools[0]
-    longest = min(first.max_key_len, len(context))
+    pool, me = target
+    longest = min(pool.max_key_len, len(context))
     suffix = _packed(context[len(context) - longest :])
-    for key_len in range(longest, first.min_key_len - 1, -1):
-        key = suffix[(longest - key_len) * _TOKEN_BYTES :]
-        for pool in pools:
-            for candidate in pool._entries(key):
-                if candidate not in seen:
-                    seen.add(candidate)
-                    yield candidate
+    for key_len in range(longest, pool.min_key_len - 1, -1):
+        entries = pool._table.get(suffix[(longest - key_len) * _TOKEN_BYTES :]) or {}
+        newest_first = list(reversed(entries))
+        for packed in sorted(newest_first, key=lambda c: not _own(entries[c][1], me)):
+            candidate = _unpacked(packed)
+            if candidate not in seen:
+                seen.add(candidate)
+                yield candidate

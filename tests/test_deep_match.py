@@ -9,7 +9,7 @@ import pytest
 from vllm_fafo.config import FafoConfig, FafoConfigError
 from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TenantTexts
 from vllm_fafo.drafting.index import DraftIndex, tenant_texts
-from vllm_fafo.drafting.pool import Origin
+from vllm_fafo.drafting.pool import Origin, file_in
 from vllm_fafo.proposer import longest_match
 
 from .test_native_pool import file_and_draft_one
@@ -167,9 +167,9 @@ def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
     index = DraftIndex(FafoConfig(num_speculative_tokens=8))
     repeat = [10, 11, 12, 13, 14, 15]
     text = np.array([1, *repeat, *repeat])  # the end matches the first repeat 6 deep, its continuation ends
-    pools = index.new_pools("r", None, text)
-    pools[0].add(repeat[-4:], (20, 21), Origin.LANE)
-    draft, origins, depth = file_and_draft_one(index, pools, text, len(text), next_anchor=len(text), room=8)
+    target = index.start("r", None, text)
+    file_in(target, repeat[-4:], (20, 21), Origin.LANE)
+    draft, origins, depth = file_and_draft_one(index, target, text, len(text), next_anchor=len(text), room=8)
     assert depth == 6
     assert draft == [*repeat, 20, 21]
     assert origins == [Origin.DEEP_MATCH] * 6 + [Origin.LANE] * 2
@@ -178,8 +178,8 @@ def test_the_proposer_chains_the_pool_where_the_matched_text_ends() -> None:
 def test_no_draft_where_the_match_is_no_deeper_than_the_pools_keys() -> None:
     index = DraftIndex(FafoConfig(max_key_len=4))  # deep matches are 5 or more deep
     text = np.array([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # "1 2 3 4" again, 4 deep
-    pools = index.new_pools("r", None, text)  # nothing filed: the pools hold nothing
-    assert file_and_draft_one(index, pools, text, len(text), next_anchor=len(text), room=16) == ([], [], 0)
+    target = index.start("r", None, text)  # nothing filed: the pool holds nothing
+    assert file_and_draft_one(index, target, text, len(text), next_anchor=len(text), room=16) == ([], [], 0)
 
 
 def test_config() -> None:

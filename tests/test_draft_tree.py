@@ -9,7 +9,7 @@ import torch
 
 from vllm_fafo.attention.branch_attention import request_branch_attention
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.drafting.pool import NgramPool, Origin
+from vllm_fafo.drafting.pool import NgramPool, Origin, RequestPool
 from vllm_fafo.verification.draft_tree import (
     PLACEHOLDER,
     Branch,
@@ -30,14 +30,14 @@ def test_branches_take_other_first_tokens_node_by_node_within_the_spine_and_budg
     pool.add([2], (10, 11), Origin.OUTPUT)  # shorter key, still an alternative
     pool.add([2, 3], (12, 13, 14, 15), Origin.OUTPUT)  # off spine node 1 (after token 3)
     spine = [3, 4, 5]
-    branches = grow_branches([pool], [0, 1, 2], spine, max_branches=8, max_tokens=64)
+    branches = grow_branches(RequestPool(pool, -1), [0, 1, 2], spine, max_branches=8, max_tokens=64)
     assert branches == [Branch(0, (6, 9, 9), rank=0), Branch(0, (10, 11), rank=1), Branch(1, (12, 13), rank=0)]
     firsts = [(b.node, b.tokens[0]) for b in branches]
     assert len(set(firsts)) == len(firsts)  # one branch per (node, first token)
     assert all(first != spine[node] for node, first in firsts)
     assert all(b.node + len(b.tokens) <= len(spine) for b in branches)
-    assert len(grow_branches([pool], [0, 1, 2], spine, max_branches=1, max_tokens=64)) == 1
-    assert sum(len(b.tokens) for b in grow_branches([pool], [0, 1, 2], spine, 8, max_tokens=4)) <= 4
+    assert len(grow_branches(RequestPool(pool, -1), [0, 1, 2], spine, max_branches=1, max_tokens=64)) == 1
+    assert sum(len(b.tokens) for b in grow_branches(RequestPool(pool, -1), [0, 1, 2], spine, 8, max_tokens=4)) <= 4
 
 
 def _dense_reference(q, k, v, visible_keys, scale):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from vllm_fafo.drafting.deep_match import TenantTexts
-from vllm_fafo.drafting.pool import Origin
+from vllm_fafo.drafting.pool import Origin, file_in, match_in
 
 from .test_native_pool import file_and_draft_one, index_for
 
@@ -50,11 +50,11 @@ def test_pools_keep_no_tracked_object_per_key():
     def build():
         index = index_for(share_pool=True, text_ngram_len=16)
         history = text()
-        own, shared = index.new_pools("r", None, np.array(history[: TOKENS // 2]))
-        file_and_draft_one(index, (own, shared), history, prompt_len=TOKENS // 2)
-        own.add(history[-4:], (1, 2, 3), Origin.LANE)
-        assert own.lookup(history[-4:]) == ((1, 2, 3), Origin.LANE)
-        return index, own, shared, history
+        target = index.start("r", None, np.array(history[: TOKENS // 2]))
+        file_and_draft_one(index, target, history, prompt_len=TOKENS // 2)
+        file_in(target, history[-4:], (1, 2, 3), Origin.LANE)
+        assert match_in(target, history[-4:])[:2] == ((1, 2, 3), Origin.LANE)
+        return index, target, history
 
     build()  # numba loads the kernels on their first call (objects of its own, once per process)
     assert tracked_after(build) <= MAX_NEW_TRACKED

@@ -151,7 +151,7 @@ def test_cacheback_chains_followers_dynamic_before_frozen(tmp_path):
     assert metrics["proposed_tokens"]["frozen"] == 6
     drafts = batch.step(proposer, [[1]])  # the dynamic table knows 1
     assert drafts[0][:3] == [2, 3, 4]
-    assert (50, 51, 52) not in proposer._requests["a"].pools[0].candidates([1])  # frozen stays frozen
+    assert (50, 51, 52) not in proposer._requests["a"].pool.pool.candidates([1])  # frozen stays frozen
 
 
 def test_lookahead_files_nothing_from_text():
@@ -160,7 +160,7 @@ def test_lookahead_files_nothing_from_text():
     batch.add("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
     drafts = batch.step(proposer, [[3]])
     assert drafts == [[]]  # Alg. 1: the pool only takes the lookahead branch's n-grams
-    assert len(proposer._requests["a"].pools[0]) == 0
+    assert len(proposer._requests["a"].pool.pool) == 0
 
 
 # Configs --------------------------------------------------------------------------

@@ -45,6 +45,17 @@ def _same_state(refs, pools, contexts):
                 assert pool.candidates(context[-key_len:]) == ref.candidates(context[-key_len:])
 
 
+def _set_running_keys(ref, pool, keys: int) -> None:
+    """Both pools hold ``keys`` keys of running requests on top of their bound."""
+    ref.running_keys = keys
+    pool.arena._owners[pool.owner, native.kernels.O_RUNNING_KEYS] = keys
+
+
+TAGS = (-1, 1, 2, 3)
+"""Tags the random streams file and ask under: the pool as one request's (-1) and three
+requests of a tenant."""
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 @pytest.mark.parametrize("shared_arena", [False, True])
 @pytest.mark.parametrize("key_eviction", native.KEY_EVICTIONS)
@@ -53,30 +64,30 @@ def test_random_streams_match_the_reference(name, shared_arena, key_eviction):
     rng = random.Random(7)
     arena = native.PoolArena(**{k: v for k, v in setting.items() if k != "capacity"},
                              capacity=setting["capacity"], candidate_len=2) if shared_arena else None
-    # own pool unbounded (or Cacheback's leader cap), shared pool bounded in keys
+    # one pool unbounded (or Cacheback's leader cap), one bounded in keys as a tenant's
     refs, pools = _pair(setting, (6 if name == "cacheback" else 0, 12), arena, key_eviction)
     contexts = []
     for step in range(3000):
         context = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
         contexts.append(context)
+        which, tag = rng.randrange(2), rng.choice(TAGS)
+        ref, pool = (reference.RequestPool(refs[which], tag), native.RequestPool(pools[which], tag))
+        if rng.random() < 0.02:  # running requests come and go: the bound moves
+            _set_running_keys(refs[1], pools[1], rng.randrange(0, 8))
         if rng.random() < 0.6:
             candidate = tuple(rng.randrange(6) for _ in range(rng.randrange(1, 5)))  # longer than the arena's 2
             origin = rng.choice(list(native.Origin))
-            which = rng.randrange(3)  # own, shared, both
-            targets = [(refs[0], pools[0]), (refs[1], pools[1])] if which == 2 else [(refs[which], pools[which])]
-            for ref, pool in targets:
-                ref.add(context, candidate, reference.Origin(origin.value))
-                pool.add(context, candidate, origin)
+            reference.file_in(ref, context, candidate, reference.Origin(origin.value))
+            native.file_in(pool, context, candidate, origin)
         else:
             guess = rng.choice([None, rng.randrange(6)])
-            count = rng.randrange(1, 3)
-            want = reference.match_pools(refs[:count], context, guess)
-            have = native.match_pools(pools[:count], context, guess)
+            want = reference.match_in(ref, context, guess)
+            have = native.match_in(pool, context, guess)
             assert (have is None) == (want is None), step
             if want is not None:
                 assert (have.candidate, have.origin.value, have.key_len) == (
                     want.candidate, want.origin.value, want.key_len), step
-            assert list(native.alternatives_in(pools, context)) == list(reference.alternatives_in(refs, context))
+            assert list(native.alternatives_in(pool, context)) == list(reference.alternatives_in(ref, context))
         if step % 500 == 0:
             _same_state(refs, pools, contexts[-50:])
     _same_state(refs, pools, contexts[-200:])
@@ -89,15 +100,21 @@ def test_filing_a_batch_of_ngrams_is_filing_each_in_turn():
     refs, pools = _pair(setting, (0, 10), arena)
     targets, ref_targets, ngrams = [], [], []
     for _ in range(400):
-        which = rng.choice([(0,), (1,), (0, 1)])
-        targets.append(tuple(pools[i] for i in which))
-        ref_targets.append(tuple(refs[i] for i in which))
+        which, tag = rng.randrange(2), rng.choice(TAGS)
+        targets.append(native.RequestPool(pools[which], tag))
+        ref_targets.append(reference.RequestPool(refs[which], tag))
         ngrams.append(([rng.randrange(4) for _ in range(rng.randrange(1, 6))],
                        tuple(rng.randrange(5) for _ in range(rng.randrange(1, 7)))))
-    native.add_each_to_pools(targets, ngrams, native.Origin.LANE)
-    for targets_of, (context, candidate) in zip(ref_targets, ngrams):
-        reference.add_to_pools(targets_of, context, candidate, reference.Origin.LANE)
+    native.file_each_in(targets, ngrams, native.Origin.LANE)
+    for target, (context, candidate) in zip(ref_targets, ngrams):
+        reference.file_in(target, context, candidate, reference.Origin.LANE)
     _same_state(refs, pools, [context for context, _ in ngrams])
+    for tag in TAGS:  # the tags too
+        for context, _ in ngrams[:50]:
+            want = reference.match_in(reference.RequestPool(refs[1], tag), context)
+            have = native.match_in(native.RequestPool(pools[1], tag), context)
+            assert (None if want is None else (want.candidate, want.origin.value)) == (
+                None if have is None else (have.candidate, have.origin.value))
 
 
 def test_pools_of_one_arena_are_isolated_and_freed():
@@ -114,39 +131,42 @@ def test_pools_of_one_arena_are_isolated_and_freed():
 
 
 def test_memory_is_bounded_over_ten_thousand_requests():
-    """Requests come and go through one arena: what it allocates stays what the most
-    requests alive at once need, not what all of them filed."""
+    """Requests come and go through one tenant's pool: what the arena allocates stays what
+    the bound and the most requests running at once need, not what all of them filed."""
     rng = np.random.default_rng(0)
     arena = native.PoolArena(4, 8, rank="votes", candidate_len=4)
-    shared = native.NgramPool(4, 8, max_keys=2000, rank="votes", arena=arena)
-    live: list[native.NgramPool] = []
+    tenant = native.NgramPool(4, 8, max_keys=2000, key_eviction="fifo", rank="votes", arena=arena)
+    running: list[int] = []
     sizes = []
     for request in range(10_000):
-        pool = native.NgramPool(4, 8, rank="votes", arena=arena)
+        target = native.RequestPool(tenant, arena.new_tag())
         text = rng.integers(0, 50_000, size=40).tolist()
         for end in range(1, 36):
-            native.add_to_pools((pool, shared), text[max(0, end - 4) : end], tuple(text[end : end + 4]),
-                                native.Origin.OUTPUT)
-        live.append(pool)
-        if len(live) > 8:
-            live.pop(0)
+            native.file_in(target, text[max(0, end - 4) : end], tuple(text[end : end + 4]), native.Origin.OUTPUT)
+        arena._owners[tenant.owner, native.kernels.O_RUNNING_KEYS] += 35 * 4  # as the step kernel counts them
+        running.append(35 * 4)
+        if len(running) > 8:
+            arena.release_running(tenant.owner, running.pop(0))
         if request in (999, 9_999):
             sizes.append(arena.nbytes())
-    assert len(shared) == 2000
-    assert arena.num_live_keys <= 2000 + 9 * 35 * 4
+    assert len(tenant) == 2000 + 8 * 35 * 4  # the bound, and the running requests' keys
     assert sizes[1] == sizes[0]  # nothing grew between request 1,000 and 10,000
+    with pytest.raises(RuntimeError, match="released more running keys"):
+        arena.release_running(tenant.owner, 9 * 35 * 4)
 
 
-def _reference_step(refs, texts, req_id, prior, history, num_tokens, prompt_len, next_anchor, ngram_len, room):
+def _reference_step(ref, texts, req_id, prior, history, num_tokens, prompt_len, next_anchor, ngram_len, room):
     """The Python proposer's filing and draft for one request (its code, on the reference
-    pools and texts): file the completed n-grams, draft the deep match and chain the pools
-    on after it (else from the text's end), the prior table where they miss."""
-    max_key = refs[0].max_key_len
+    pool and texts): file the completed n-grams (a tenant's pool holds their keys on top
+    of its bound while the request runs), draft the deep match and chain the pool's
+    candidates on after it (else from the text's end), the prior table where they miss."""
+    max_key = ref.pool.max_key_len
+    if ref.tag >= 0:
+        ref.pool.running_keys += max(0, num_tokens - ngram_len - next_anchor) * max_key
     for anchor in range(next_anchor, num_tokens - ngram_len):
         end = anchor + 1
         origin = reference.Origin.PROMPT if anchor + ngram_len < prompt_len else reference.Origin.OUTPUT
-        reference.add_to_pools(refs, history[max(0, end - max_key) : end], tuple(history[end : end + ngram_len]),
-                               origin)
+        reference.file_in(ref, history[max(0, end - max_key) : end], tuple(history[end : end + ngram_len]), origin)
     draft, depth = texts.draft(req_id, np.array(history), num_tokens, room)
     origins = [native.ORIGIN_CODE[native.Origin.DEEP_MATCH]] * len(draft)
     context = (history[max(0, num_tokens - max_key) : num_tokens] + draft)[-max_key:]
@@ -154,7 +174,7 @@ def _reference_step(refs, texts, req_id, prior, history, num_tokens, prompt_len,
     while len(draft) < room:
         token = context[-1]
         guess = tuple(prior[token][prior[token] >= 0].tolist())
-        found = reference.match_pools(refs, context, guess[0] if guess else None)
+        found = reference.match_in(ref, context, guess[0] if guess else None)
         if found is None and not guess:
             break
         candidate, origin, key_len = found if found is not None else (guess, reference.Origin.PRIOR, 0)
@@ -198,7 +218,8 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     prior = rng.integers(-1, 12, size=(12, 2)).astype(np.int32)
     prior[:, 0] = np.abs(prior[:, 0])
     prior[rng.random(12) < 0.3] = -1  # tokens the table has nothing for
-    config = FafoConfig(max_key_len=setting["max_key_len"], tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
+    config = FafoConfig(max_key_len=setting["max_key_len"], pool_capacity=setting["capacity"],
+                        tenant_answers_mib=int(answer_bytes > 0), prior_table="off")
     index = DraftIndex(config, prior=PriorTable(prior))
     index.shared.max_keys = 60  # each tenant's bound, as shared_pool_mib sets it: evictions happen
     index.texts.answer_bytes = answer_bytes  # 40,000: about three answers of a tenant
@@ -217,8 +238,8 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
                                    for _ in range(length // 30 + 1)])[:length].astype(np.int32)
             tenant = "ab"[serial % 2]
             req = dict(id=f"r{serial}", tenant=tenant, text=text, n=20, anchor=0, ref_anchor=0)
-            req["pools"] = index.new_pools(req["id"], tenant, text[:20])
-            req["refs"] = (reference.NgramPool(**setting), shared_refs.pool_for(tenant))
+            req["pool"] = index.start(req["id"], tenant, text[:20])
+            req["ref"] = reference.RequestPool(shared_refs.pool_for(tenant), req["pool"].tag)
             ref_texts.start(req["id"], tenant, text[:20])
             live.append(req)
             serial += 1
@@ -226,11 +247,11 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
             req["n"] = min(length - room, req["n"] + 3)
         want = []
         for req in live:
-            want.append(_reference_step(req["refs"], ref_texts, req["id"], prior, req["text"].tolist(), req["n"], 20,
+            want.append(_reference_step(req["ref"], ref_texts, req["id"], prior, req["text"].tolist(), req["n"], 20,
                                         req["ref_anchor"], ngram_len, room))
             req["ref_anchor"] = max(req["ref_anchor"], req["n"] - ngram_len)
         anchors = np.array([req["anchor"] for req in live], dtype=np.int64)
-        found = index.draft_batch(np.arange(len(live)), np.stack([index.owners(req["id"], req["pools"]) for req in live]),
+        found = index.draft_batch(np.arange(len(live)), np.stack([index.owners(req["id"], req["pool"]) for req in live]),
                                   np.full(len(live), 20), anchors, np.stack([req["text"] for req in live]),
                                   np.arange(len(live)), np.array([req["n"] for req in live]), room, length)
         for i, req in enumerate(live):
@@ -243,15 +264,20 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
             seen += np.bincount(origins, minlength=len(seen))
         for req in [req for req in live if req["n"] >= length - room]:  # finished
             live.remove(req)
-            index.stop(req["id"])
+            index.stop(req["id"], req["pool"], req["anchor"])
+            req["ref"].pool.running_keys -= req["anchor"] * config.max_key_len
             ref_texts.stop(req["id"])
     drafted = {origin.value: int(seen[code]) for code, origin in enumerate(native.ORIGINS)}
     assert all(drafted[origin] > 0 for origin in ("prompt", "output", "shared", "deep_match", "prior")), drafted
     kept = index.texts.num_kept_answers()
     assert kept == ref_texts.num_kept_answers()
-    assert kept == {0: 0, 40_000: 6 + len(live), 1 << 20: serial}[answer_bytes], kept
+    assert kept == {0: 0, 40_000: 4 + len(live), 1 << 20: serial}[answer_bytes], (kept, len(live))
     for tenant in "ab":
         assert index.texts.charged_bytes(tenant) == ref_texts.charged_bytes(tenant)
+        pool, ref = index.shared.pool_for(tenant), shared_refs.pool_for(tenant)
+        assert pool.keys() == ref.keys()
+        assert pool.arena._owners[pool.owner, native.kernels.O_RUNNING_KEYS] == ref.running_keys
+    assert sum(ref.running_keys for ref in shared_refs.pools.values()) > 0  # requests still run
 
 
 def index_for(prior=None, **settings) -> DraftIndex:
@@ -260,14 +286,14 @@ def index_for(prior=None, **settings) -> DraftIndex:
                       prior=prior)
 
 
-def file_and_draft_one(index: DraftIndex, pools, history, prompt_len: int, next_anchor: int = 0, room: int = 0,
+def file_and_draft_one(index: DraftIndex, target, history, prompt_len: int, next_anchor: int = 0, room: int = 0,
                        req_id: str = "r") -> tuple[list[int], list[native.Origin], int]:
     """:meth:`DraftIndex.draft_batch` for one request whose text is ``history``: files from
     ``next_anchor`` on (``len(history)``: nothing) and drafts up to ``room`` tokens; returns the
     draft, its origins and the context length it matched."""
     history = np.asarray([history], dtype=np.int32)
     n = history.shape[1]
-    found = index.draft_batch(np.array([0]), index.owners(req_id, pools)[None], np.array([prompt_len]),
+    found = index.draft_batch(np.array([0]), index.owners(req_id, target)[None], np.array([prompt_len]),
                               np.array([next_anchor]), history, np.array([0]), np.array([n]), room, n + room)
     length = int(found.lengths[0])
     return (found.tokens[0, :length].tolist(), [native.ORIGINS[c] for c in found.origins[0, :length].tolist()],

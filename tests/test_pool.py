@@ -70,8 +70,9 @@ def test_text_seeded_pool_matches_brute_force_reference():
         max_key_len, ngram_len = rng.randint(1, 5), rng.randint(1, 4)
         index = index_for(max_key_len=max_key_len, pool_capacity=4096, text_ngram_len=ngram_len,
                           rank_candidates="recency")
-        pool, = index.new_pools("r", None, np.array(history))
-        file_and_draft_one(index, (pool,), history, prompt_len=len(history))
+        target = index.start("r", None, np.array(history))
+        pool = target.pool
+        file_and_draft_one(index, target, history, prompt_len=len(history))
         found = pool.lookup(history)
         expected = _reference_lookup(history, max_key_len, ngram_len)
         assert (found[0] if found else None) == expected, (trial, history)
@@ -80,8 +81,9 @@ def test_text_seeded_pool_matches_brute_force_reference():
 def test_filing_marks_origin_by_where_the_candidate_lies():
     index = index_for(max_key_len=1, pool_capacity=8, text_ngram_len=2, rank_candidates="recency")
     history = [1, 2, 3, 4, 5]
-    pool, = index.new_pools("r", None, np.array(history[:4]))
-    file_and_draft_one(index, (pool,), history, prompt_len=4)
+    target = index.start("r", None, np.array(history[:4]))
+    pool = target.pool
+    file_and_draft_one(index, target, history, prompt_len=4)
     assert pool.lookup([1]) == ((2, 3), Origin.PROMPT)
     assert pool.lookup([2]) == ((3, 4), Origin.PROMPT)
     assert pool.lookup([3]) == ((4, 5), Origin.OUTPUT)  # 5 was generated

@@ -32,15 +32,15 @@ def test_continuation_stops_at_the_first_missing_token():
     assert table.lengths.tolist() == [3, 1, 0, 3]  # what the step kernel reads
 
 
-def _chain(index, pools, context, room):
+def _chain(index, target, context, room):
     """The draft chained after ``context`` (nothing filed from it)."""
-    return file_and_draft_one(index, pools, context, len(context), next_anchor=len(context), room=room)
+    return file_and_draft_one(index, target, context, len(context), next_anchor=len(context), room=room)
 
 
 def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
     index, bare = index_for(PriorTable(ROWS), max_key_len=2, pool_capacity=4), index_for(max_key_len=2, pool_capacity=4)
-    pools, bare_pools = index.new_pools("r", None, np.zeros(0)), bare.new_pools("r", None, np.zeros(0))
-    for pool in (*pools, *bare_pools):
+    pools, bare_pools = index.start("r", None, np.zeros(0)), bare.start("r", None, np.zeros(0))
+    for pool in (pools.pool, bare_pools.pool):
         pool.add([5], (0,), Origin.OUTPUT)  # 5 -> 0; nothing under 3 or 9
     # 5: the pool's 0; then 0 misses in the pool -> the prior's 1 2 3; then 3 -> the prior's 4 4 4
     draft, origins, key_len = _chain(index, pools, [8, 5], room=6)
@@ -48,7 +48,7 @@ def test_chain_draft_uses_the_prior_only_where_the_pools_miss():
     assert origins == [Origin.OUTPUT] + [Origin.PRIOR] * 5
     assert key_len == 1  # the first piece's key
     # The pool wins under any key it holds, after a prior piece too.
-    pools[0].add([2, 3], (6,), Origin.OUTPUT)
+    pools.pool.add([2, 3], (6,), Origin.OUTPUT)
     draft, origins, _ = _chain(index, pools, [8, 5], room=6)
     assert draft == [0, 1, 2, 3, 6]  # (2, 3) -> 6 from the pool; then neither has anything after 6
     assert origins[-1] is Origin.OUTPUT
@@ -64,9 +64,9 @@ def test_the_prior_votes_among_the_pools_candidates():
     runs = {}
     for name, prior, rank in (("no guess", None, "votes"), ("votes", table, "votes"), ("recency", table, "recency")):
         index = index_for(prior, max_key_len=2, pool_capacity=4, rank_candidates=rank)
-        pools = index.new_pools("r", None, np.zeros(0))
-        pools[0].add([0], (1, 7), Origin.PROMPT)  # the prior's next token after 0 is 1
-        pools[0].add([0], (8, 8), Origin.OUTPUT)  # the newest
+        pools = index.start("r", None, np.zeros(0))
+        pools.pool.add([0], (1, 7), Origin.PROMPT)  # the prior's next token after 0 is 1
+        pools.pool.add([0], (8, 8), Origin.OUTPUT)  # the newest
         runs[name] = _chain(index, pools, [0], room=2)[0]
     assert runs == {"no guess": [8, 8], "votes": [1, 7], "recency": [8, 8]}  # no guess: a tie, the newest
 

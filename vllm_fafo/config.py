@@ -49,8 +49,10 @@ class FafoConfig:
     """K: the longest suffix of the decoded text used as a pool key. 3: 4 had the same
     tau (within 0.2 % on three replayed sets) and files and looks up a quarter more keys
     per token (docs/results/draft-sources.md "Pool key length and candidates per key")."""
-    pool_capacity: int = 8
-    """Candidates kept per key; the least recently used one is evicted."""
+    pool_capacity: int = 16
+    """Candidates kept per key of a pool (a tenant's, where ``share_pool``, else a request's);
+    the least recently used one is evicted. 16: a tenant's pool holds what a request's own
+    pool and its tenant's shared one held with 8 each (docs/results/host-time.md)."""
     seed_from_prompt: bool = True
     """Seed the pool with the prompt's n-grams at prefill."""
     num_lanes: int = 16
@@ -81,13 +83,15 @@ class FafoConfig:
     """Draft tokens per request per step, spine and branches together; 0:
     ``num_candidates * num_speculative_tokens``."""
     share_pool: bool = True
-    """Also file every request's n-grams into a pool shared by the requests of its
-    tenant (vLLM's ``cache_salt``; unsalted requests share one), drafted from after
-    the request's own pool under each key (vllm_fafo.drafting.shared_pool)."""
-    shared_pool_mib: int = 16
-    """MiB each tenant's shared pool holds (vllm_fafo.drafting.shared_pool): every key is charged
-    as if it held ``pool_capacity`` candidates (``PoolArena.bytes_per_key``, 0.44 kB by
-    default), and the tenant's first filed key is evicted past the bound. At most
+    """File every request's n-grams into one pool per tenant (vLLM's ``cache_salt``;
+    unsalted requests share one), each candidate tagged with the request that filed it,
+    so that later and concurrent requests of the tenant draft from it, a request's own
+    candidates weighing more (vllm_fafo.drafting.shared_pool); false: a pool per request."""
+    shared_pool_mib: int = 32
+    """MiB each tenant's pool holds besides its running requests' keys
+    (vllm_fafo.drafting.shared_pool): every key is charged as if it held ``pool_capacity``
+    candidates (``PoolArena.bytes_per_key``, 0.88 kB by default, so about 38,000 keys),
+    and the tenant's first filed key is evicted past the bound. At most
     ``shared_pool_tenants`` tenants are kept."""
     shared_pool_tenants: int = 16
     """Tenants with a shared pool at once; the least recently used one is dropped."""
@@ -95,7 +99,7 @@ class FafoConfig:
     """MiB of earlier requests' answers (outputs) kept per tenant for deep matches
     (vllm_fafo.drafting.deep_match; the earliest finished is dropped): an answer is charged
     its text's tokens (4 bytes each) and about 0.1 kB per answer token for its places
-    (``TenantTexts.answer_charge``); 16 MiB holds ~710 answers of 250 tokens after 100-token
+    (``TenantTexts.answer_charge``); 16 MiB holds ~690 answers of 250 tokens after 100-token
     prompts. At most ``shared_pool_tenants`` tenants are kept. 0, or ``share_pool`` false: each
     request matches in its own text only."""
     pad_drafts: bool = False
@@ -144,7 +148,7 @@ class FafoConfig:
     """Which of a key's candidates a lookup drafts: ``votes`` (FAFO), the one whose
     first token most of them begin with (the prior table's next token voting too), or
     ``recency`` (the modes' papers), the most recently used one
-    (vllm_fafo.drafting.pool.match_pools). For ``fafo``, recency gained at most 0.9 % on one
+    (vllm_fafo.drafting.pool.match_in). For ``fafo``, recency gained at most 0.9 % on one
     replayed set and lost 2.3 % on another (2026-12-02)."""
     deep_match: bool = True
     """Draft deep matches of the text's end first (vllm_fafo.drafting.deep_match); the modes

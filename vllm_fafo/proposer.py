@@ -52,7 +52,7 @@ from vllm_fafo.control.goodput import BranchSet, draft_tiers, make_controller
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
 from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
-from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, add_each_to_pools
+from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin, RequestPool, file_each_in
 from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
 from vllm_fafo.drafting.shared_pool import TenantPools
@@ -93,9 +93,9 @@ class RequestState:
     """What the proposer keeps for one running request as objects; its numbers are in
     the :class:`~vllm_fafo.request_table.RequestTable` at ``slot``."""
 
-    pools: tuple[NgramPool, ...]
-    """Where the request files and drafts from: its own pool, then its tenant's
-    shared pool (when sharing is on)."""
+    pool: RequestPool
+    """Where the request files and drafts from: its tenant's pool under its tag (when
+    sharing is on), else its own."""
     slot: int
     branches: list[Branch] = field(default_factory=list)
     """The draft tree's branches off the last draft, verified next step."""
@@ -245,7 +245,7 @@ class FafoProposer:
         metrics_kernels()
         request_table_kernels()
         self.index = DraftIndex(self.config, frozen=frozen, prior=prior)
-        """Every request's pools, its tenant's, the deep matches' texts and the tables drafted
+        """The tenants' pools (or the requests'), the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
         self._held_parts: tuple | None = None
         self._held: StepArrays | None = None
@@ -424,9 +424,9 @@ class FafoProposer:
         assert self.lanes is not None and hidden_states is not None
         targets, filed = [], []
         for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
-            targets += [self._requests[req_id].pools] * len(ngrams)
+            targets += [self._requests[req_id].pool] * len(ngrams)
             filed += ngrams
-        add_each_to_pools(targets, filed, Origin.LANE)
+        file_each_in(targets, filed, Origin.LANE)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
@@ -435,11 +435,15 @@ class FafoProposer:
         for req_id in req_ids:
             self._tenants.pop(req_id, None)
             state = self._requests.pop(req_id, None)
-            if state is not None:
-                self._table.remove(req_id)
-                freed.append(state.slot)
-                self.metrics.requests_freed += 1
-            self.index.stop(req_id)
+            if state is None:  # it never decoded
+                self.index.stop(req_id, None, 0)
+                continue
+            slot = state.slot
+            filed = int(self._table.next_anchor[slot]) - first_anchor(self.config, int(self._table.prompt_len[slot]))
+            self.index.stop(req_id, state.pool, filed)
+            self._table.remove(req_id)
+            freed.append(slot)
+            self.metrics.requests_freed += 1
         self.judge.forget(freed)  # before the slots are given to new requests
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
@@ -543,7 +547,7 @@ class FafoProposer:
             for i, (row, state) in enumerate(zip(rows, states)):
                 if req_ids[row] in step.tree_eligible:
                     state.branches = grow_branches(
-                        state.pools, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
+                        state.pool, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
                         drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
                     )
             self._size_branches(step_tokens + int(lengths.sum()), states, lengths)
@@ -702,9 +706,9 @@ class FafoProposer:
                 f"FafoProposer: request {req_id!r} decodes without having been announced "
                 "by begin_step (the runner patches are not applied in this process)"
             ) from None
-        pools = self.index.new_pools(req_id, tenant, history[:prompt_len])
-        slot = self._table.add(req_id, self.index.owners(req_id, pools), prompt_len,
+        target = self.index.start(req_id, tenant, history[:prompt_len])
+        slot = self._table.add(req_id, self.index.owners(req_id, target), prompt_len,
                                first_anchor(self.config, prompt_len))
-        state = self._requests[req_id] = RequestState(pools, slot)
+        state = self._requests[req_id] = RequestState(target, slot)
         self.metrics.requests_started += 1
         return state

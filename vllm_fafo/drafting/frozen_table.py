@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_fafo.drafting.pool import NgramPool, Origin, add_each_to_pools
+from vllm_fafo.drafting.pool import NgramPool, Origin, RequestPool, file_each_in
 from vllm_fafo.errors import FafoConfigError
 
 FORMAT = "vllm-fafo-frozen-table/1"
@@ -50,5 +50,5 @@ def load_table(path: str, leader_len: int, follower_len: int) -> NgramPool:
     pool = NgramPool(leader_len, capacity, min_key_len=leader_len, touch_on_lookup=False)
     # least frequent first: the most frequent is MRU
     ngrams = [(leader, tuple(follower)) for leader, followers in data["entries"] for follower in followers]
-    add_each_to_pools([(pool,)] * len(ngrams), ngrams, Origin.FROZEN)
+    file_each_in([RequestPool(pool, -1)] * len(ngrams), ngrams, Origin.FROZEN)
     return pool

@@ -1,7 +1,7 @@
 """The draft index: every place a draft comes from, filed and drafted batch-wide.
 
-One object per engine holds what drafts are made of: the requests' own pools
-and their tenants' shared pools (one :class:`~vllm_fafo.drafting.pool.PoolArena`),
+One object per engine holds what drafts are made of: the tenants' pools (or,
+sharing off, the requests' own; one :class:`~vllm_fafo.drafting.pool.PoolArena`),
 the deep matches' texts (:class:`~vllm_fafo.drafting.deep_match.TenantTexts`),
 Cacheback's frozen table and the prior table. Once per step
 :meth:`DraftIndex.draft_batch` files the n-grams every decoding request
@@ -19,7 +19,15 @@ import numpy as np
 from vllm_fafo.config import FafoConfig
 from vllm_fafo.drafting import step_kernel
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
-from vllm_fafo.drafting.pool import ORIGIN_CODE, NgramPool, Origin, PoolArena, add_each_to_pools, alternatives_in
+from vllm_fafo.drafting.pool import (
+    ORIGIN_CODE,
+    NgramPool,
+    Origin,
+    PoolArena,
+    RequestPool,
+    alternatives_in,
+    file_each_in,
+)
 from vllm_fafo.drafting.prior_table import PriorTable
 from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.step_arrays import same_or_new
@@ -87,23 +95,26 @@ class DraftIndex:
         self._frozen_owner = -1 if frozen is None else frozen.owner
         self._arguments: tuple | None = None
 
-    def new_pools(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[NgramPool, ...]:
-        """A new request's pools (its own, then its tenant's shared one); its prompt is
-        the first text deep matches look in."""
+    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> RequestPool:
+        """A new request's pool: its tenant's, under a new tag, where requests share, else
+        its own; its prompt is the first text deep matches look in."""
         arena = self.arena
-        own = NgramPool(arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len,
-                        max_keys=self.config.max_keys, touch_on_lookup=arena.touch_on_lookup, rank=arena.rank,
-                        arena=arena)
+        if self.shared is not None:
+            target = RequestPool(self.shared.pool_for(tenant), arena.new_tag())
+        else:
+            target = RequestPool(NgramPool(arena.max_key_len, arena.capacity, min_key_len=arena.min_key_len,
+                                           max_keys=self.config.max_keys, touch_on_lookup=arena.touch_on_lookup,
+                                           rank=arena.rank, arena=arena), -1)
         if self.texts is not None:
             self.texts.start(req_id, tenant, prompt)
-        return (own,) if self.shared is None else (own, self.shared.pool_for(tenant))
+        return target
 
-    def owners(self, req_id: str, pools: tuple[NgramPool, ...]) -> np.ndarray:
-        """A running request's ids in the index, as :meth:`draft_batch` takes them: its own
-        pool's and its tenant's shared pool's owners, its text and the owner of the places
-        in it (-1: none)."""
+    def owners(self, req_id: str, target: RequestPool) -> np.ndarray:
+        """A running request's ids in the index, as :meth:`draft_batch` takes them: its
+        pool's owner and its tag there, its text and the owner of the places in it (-1:
+        none)."""
         ids = np.full(4, -1, dtype=np.int64)
-        ids[: len(pools)] = [pool.owner for pool in pools]
+        ids[:2] = target.pool.owner, target.tag
         if self.texts is not None:
             ids[2:] = self.texts.ids(req_id)
         return ids
@@ -114,8 +125,13 @@ class DraftIndex:
         once at start, are left out."""
         return self.arena.nbytes() + (0 if self.texts is None else self.texts.nbytes())
 
-    def stop(self, req_id: str) -> None:
-        """A request finished: its answer stays for deep matches of later requests."""
+    def stop(self, req_id: str, target: RequestPool | None, anchors_filed: int) -> None:
+        """A request finished, having filed ``anchors_filed`` anchors into ``target`` (None:
+        it never decoded): its keys in its tenant's pool are bounded with the tenant's
+        from now on (:func:`~vllm_fafo.drafting.step_kernel.anchor_keys`), its answer stays
+        for deep matches of later requests."""
+        if target is not None and target.tag >= 0:
+            self.arena.release_running(target.pool.owner, step_kernel.anchor_keys(self.arena.state, anchors_filed))
         if self.texts is not None:
             self.texts.stop(req_id)
 
@@ -123,9 +139,9 @@ class DraftIndex:
                     history: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, max_draft: int,
                     max_len: int) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
-        into its pools and draft up to ``min(max_draft, max_len - num_tokens[i])`` tokens:
-        the deep match of its text's end, chained on from its pools, else its pools'
-        chain, where they miss the frozen table, then the prior table. Request i's numbers
+        into its pool and draft up to ``min(max_draft, max_len - num_tokens[i])`` tokens:
+        the deep match of its text's end, chained on from its pool, else its pool's
+        chain, where it misses the frozen table, then the prior table. Request i's numbers
         are entry ``slots[i]`` of ``owners`` (its ids, :meth:`owners`), ``prompt_lens`` and
         ``next_anchors`` (the first position whose n-gram it has not filed, advanced in
         place): tables by slot, as the proposer's :class:`~vllm_fafo.request_table.RequestTable`
@@ -188,7 +204,8 @@ class DraftIndex:
                 np.zeros(MATCH_DEPTH + 2 * self.config.max_key_len + 2 * width, dtype=np.int32))
 
     def forget_shared(self) -> None:
-        """Empty every tenant's shared pool and the answers kept for deep matches."""
+        """Empty every tenant's pool (running requests' candidates too) and the answers
+        kept for deep matches."""
         if self.shared is not None:
             self.shared.clear()
         if self.texts is not None:
@@ -202,10 +219,11 @@ def load_kernels(config: FafoConfig) -> None:
     of resident memory on the 2-core CPU machine (docs/results/host-time.md)."""
     index = DraftIndex(config)
     history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
-    pools = index.new_pools("warm-up", None, history[0, :32])
+    target = index.start("warm-up", None, history[0, :32])
     one = np.zeros(1, dtype=np.int64)
-    index.draft_batch(one, index.owners("warm-up", pools)[None], np.array([32]), one.copy(), history, one,
+    anchors = one.copy()
+    index.draft_batch(one, index.owners("warm-up", target)[None], np.array([32]), anchors, history, one,
                       np.array([40]), 4, 64)
-    add_each_to_pools([pools], [([1, 2], (3, 4))], Origin.LANE)
-    list(alternatives_in(pools, [1, 2]))
-    index.stop("warm-up")
+    file_each_in([target], [([1, 2], (3, 4))], Origin.LANE)
+    list(alternatives_in(target, [1, 2]))
+    index.stop("warm-up", target, int(anchors[0]))

@@ -1,6 +1,7 @@
 """The n-gram pool: candidates keyed by suffixes of the text (FAFO Alg. 2-3).
 
-One pool per request (and one shared per tenant, vllm_fafo.drafting.shared_pool).
+One pool per tenant where requests share (vllm_fafo.drafting.shared_pool), each
+candidate tagged with the request that last filed it, else one per request.
 A candidate is a tuple of tokens that followed a key somewhere (in the prompt,
 in the output, or in a lane's guess). Each key keeps at most ``capacity``
 candidates and evicts the least recently used one (FAFO App. F); a lookup
@@ -57,13 +58,17 @@ ORIGINS = tuple(Origin)
 """Origins by their code (the kernels' int)."""
 ORIGIN_CODE = {origin: code for code, origin in enumerate(ORIGINS)}
 RANKINGS = ("votes", "recency")
-"""How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_pools`)."""
+"""How a lookup picks among a key's candidates (``rank_candidates``; :func:`match_in`)."""
 KEY_EVICTIONS = ("lru", "fifo")
 """Which key a pool bounded in keys evicts: the least recently used (Cacheback's leaders), or the first
 filed (the tenants' shared pools: no relinking per key filed or chosen, docs/results/host-time.md)."""
 GUESS_VOTES = kernels.GUESS_VOTES
-"""Votes the fallbacks' guess of the next token casts (:func:`match_pools`): in a probe over the MT-Bench
+"""Votes the fallbacks' guess of the next token casts (:func:`match_in`): in a probe over the MT-Bench
 replay 2 and 3 did best (tau 2.313-2.314; 1: 2.302, 5: 2.306)."""
+OWN_VOTES = kernels.OWN_VOTES
+"""Votes a candidate the asking request filed casts in its tenant's pool (:func:`match_in`; another
+request's: 1): in the replay 2 and 3 kept tau within 1 % of a pool per request and a pool per tenant,
+untagged candidates lost up to 3.3 % (docs/results/host-time.md)."""
 
 
 class Match(NamedTuple):
@@ -112,8 +117,9 @@ class PoolArena:
         self._grow_entries(256, candidate_len)
         self._grow_owners(8)
         self._free_owners: list[int] = list(range(7, -1, -1))
-        self.scratch = np.zeros(2 * (2 * capacity + 1), dtype=np.int64)
-        """Room for :func:`~vllm_fafo.drafting.pool_kernels.match_pair` (both pools' votes)."""
+        self._tags = 0
+        self.scratch = np.zeros(2 * (capacity + 1), dtype=np.int64)
+        """Room for :func:`~vllm_fafo.drafting.pool_kernels.match_pool` (a key's votes)."""
         self._state: tuple | None = None
 
     # arrays ---------------------------------------------------------------------------
@@ -202,7 +208,21 @@ class PoolArena:
         """Drop a pool's keys and free its id (its handle is gone)."""
         kernels.clear_owner(self.state, owner)
         self._owners[owner, kernels.O_MAX_KEYS] = self._owners[owner, kernels.O_LRU] = 0
+        self._owners[owner, kernels.O_RUNNING_KEYS] = 0
         self._free_owners.append(owner)
+
+    def new_tag(self) -> int:
+        """A request's tag in a shared pool: never one handed out before, so a later
+        request never takes an earlier one's candidates for its own."""
+        self._tags += 1
+        return self._tags
+
+    def release_running(self, owner: int, keys: int) -> None:
+        """A running request of pool ``owner`` stopped: the ``keys`` it filed no longer
+        count on top of the pool's bound (:func:`~vllm_fafo.drafting.step_kernel.anchor_keys`)."""
+        self._owners[owner, kernels.O_RUNNING_KEYS] -= keys
+        if self._owners[owner, kernels.O_RUNNING_KEYS] < 0:
+            raise RuntimeError(f"PoolArena.release_running: pool {owner} released more running keys than it held")
 
     def num_keys(self, owner: int) -> int:
         return int(self._owners[owner, kernels.O_KEYS])
@@ -228,6 +248,9 @@ class PoolArena:
 
     def origin(self, entry: int) -> Origin:
         return ORIGINS[int(self._entries[entry, kernels.E_ORIGIN])]
+
+    def tag(self, entry: int) -> int:
+        return int(self._entries[entry, kernels.E_TAG])
 
 
 class NgramPool:
@@ -271,12 +294,12 @@ class NgramPool:
 
     def add(self, context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
         """File ``candidate`` under every suffix of ``context`` of length
-        ``min_key_len``..``max_key_len``.
+        ``min_key_len``..``max_key_len``, untagged (:func:`file_in`).
 
         ``context`` only needs its last K tokens; callers pass a short slice.
         Re-adding a known candidate refreshes its recency and origin.
         """
-        add_to_pools((self,), context, candidate, origin)
+        file_in(RequestPool(self, -1), context, candidate, origin)
 
     def lookup(self, context: Sequence[int]) -> tuple[Candidate, Origin] | None:
         """Most recently used candidate under the longest matching suffix, and its origin."""
@@ -284,28 +307,31 @@ class NgramPool:
         return None if found is None else (found.candidate, found.origin)
 
     def match(self, context: Sequence[int]) -> Match | None:
-        """The candidate under the longest matching suffix (:func:`match_pools`).
+        """The candidate under the longest matching suffix, every candidate counted as
+        the asker's own (:func:`match_in`).
 
         The key's recency is refreshed (``key_eviction`` ``"lru"``); the candidate's only
         with ``touch_on_lookup``.
         """
-        return match_pools((self,), context)
+        return match_in(RequestPool(self, -1), context)
 
     def alternatives(self, context: Sequence[int]) -> Iterator[Candidate]:
         """Every candidate under the suffixes of ``context``, longest key first,
         most recently used first under each key, each once; recency untouched
         (the draft tree's branches, :mod:`vllm_fafo.verification.draft_tree`)."""
-        return alternatives_in((self,), context)
+        return alternatives_in(RequestPool(self, -1), context)
 
     def entries_under(self, key: Sequence[int]) -> Iterator[Candidate]:
         """Candidates under exactly ``key``, most recently used first; recency untouched."""
         return iter(self._newest_first(_tokens(key)))
 
     def _newest_first(self, key: np.ndarray) -> list[Candidate]:
-        arena = self.arena
+        return [self.arena.candidate(entry) for entry in self._newest_first_entries(key)]
+
+    def _newest_first_entries(self, key: np.ndarray) -> list[int]:
         out = np.empty(self.capacity, dtype=np.int64)
-        count = kernels.slot_entries(arena.state, self.owner, key, 0, len(key), out)
-        return [arena.candidate(entry) for entry in out[:count].tolist()]
+        count = kernels.slot_entries(self.arena.state, self.owner, key, 0, len(key), out)
+        return out[:count].tolist()
 
     def num_entries(self) -> int:
         """Candidates held under all keys (a candidate under several keys counts
@@ -334,83 +360,93 @@ class NgramPool:
                 for s in out[:count].tolist()]
 
 
-def add_to_pools(pools: Sequence[NgramPool], context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
-    """:meth:`NgramPool.add` into every pool, in order."""
+class RequestPool(NamedTuple):
+    """Where a request files and drafts: its pool (its tenant's where requests share
+    one, vllm_fafo.drafting.shared_pool) and its tag there (-1: the pool is its own)."""
+
+    pool: NgramPool
+    tag: int
+
+
+def file_in(target: RequestPool, context: Sequence[int], candidate: Candidate, origin: Origin) -> None:
+    """File ``candidate`` under every suffix of ``context`` of the pool's key lengths,
+    tagged as ``target``'s (re-filing a held candidate refreshes its recency, origin
+    and tag)."""
     if not len(candidate):
         return
     context, candidate = _tokens(context), _tokens(candidate)
-    code = ORIGIN_CODE[origin]
-    for pool in pools:
-        arena = pool.arena
-        arena.reserve(pool.max_key_len, len(candidate))
-        kernels.file_candidate(arena.state, pool.owner, context, 0, len(context), candidate, 0, len(candidate), code)
+    pool = target.pool
+    pool.arena.reserve(pool.max_key_len, len(candidate))
+    kernels.file_candidate(pool.arena.state, pool.owner, target.tag, context, 0, len(context), candidate, 0,
+                           len(candidate), ORIGIN_CODE[origin])
 
 
-def add_each_to_pools(pools: Sequence[Sequence[NgramPool]], ngrams: Sequence[tuple[Sequence[int], Candidate]],
-                      origin: Origin) -> None:
-    """:func:`add_to_pools` of each (context, candidate) in ``ngrams`` into its ``pools``
-    (one or two pools of one arena each time), in order, in one kernel call."""
+def file_each_in(targets: Sequence[RequestPool], ngrams: Sequence[tuple[Sequence[int], Candidate]],
+                 origin: Origin) -> None:
+    """:func:`file_in` of each (context, candidate) in ``ngrams`` into its target (pools
+    of one arena), in order, in one kernel call."""
     if not ngrams:
         return
-    arena = pools[0][0].arena
+    arena = targets[0].pool.arena
     count = len(ngrams)
     context_len = max(len(context) for context, _ in ngrams) or 1
     candidate_len = max(len(candidate) for _, candidate in ngrams) or 1
-    owners = np.full((count, 2), -1, dtype=np.int64)
+    owners = np.zeros(count, dtype=np.int64)
+    tags = np.zeros(count, dtype=np.int64)
     contexts = np.zeros((count, context_len), dtype=np.int32)
     candidates = np.zeros((count, candidate_len), dtype=np.int32)
     context_lens = np.zeros(count, dtype=np.int64)
     candidate_lens = np.zeros(count, dtype=np.int64)
-    for i, (targets, (context, candidate)) in enumerate(zip(pools, ngrams)):
-        if any(pool.arena is not arena for pool in targets):
-            raise ValueError("add_each_to_pools: every pool must live in one arena")
-        owners[i, : len(targets)] = [pool.owner for pool in targets]
+    for i, (target, (context, candidate)) in enumerate(zip(targets, ngrams)):
+        if target.pool.arena is not arena:
+            raise ValueError("file_each_in: every pool must live in one arena")
+        owners[i], tags[i] = target.pool.owner, target.tag
         contexts[i, : len(context)] = context
         candidates[i, : len(candidate)] = candidate
         context_lens[i], candidate_lens[i] = len(context), len(candidate)
-    arena.reserve(2 * count * arena.max_key_len, candidate_len)
-    kernels.file_each(arena.state, owners, contexts, context_lens, candidates, candidate_lens, ORIGIN_CODE[origin])
+    arena.reserve(count * arena.max_key_len, candidate_len)
+    kernels.file_each(arena.state, owners, tags, contexts, context_lens, candidates, candidate_lens,
+                      ORIGIN_CODE[origin])
 
 
-def match_pools(pools: Sequence[NgramPool], context: Sequence[int], guess: int | None = None) -> Match | None:
-    """A candidate under the longest suffix of ``context`` any pool (one or two) holds one
-    under. A candidate found in the second pool is reported as :attr:`Origin.SHARED`.
-    Both pools must use the same key lengths and ranking.
+def match_in(target: RequestPool, context: Sequence[int], guess: int | None = None) -> Match | None:
+    """The candidate under the longest suffix of ``context`` the pool holds one under, for
+    the request ``target`` tags. A candidate another request filed is reported as
+    :attr:`Origin.SHARED`.
 
-    Ranked by ``recency`` (the first pool's ``rank``): the most recently used
-    candidate of the first pool that has one (a request's own pool before the
-    shared one). By ``votes``: the candidate whose first token the most
-    candidates under the key begin with, counted over both pools (a text the
-    request's own pool and the shared one both hold counts twice, so the own text
-    weighs more), ``guess`` (the next token the fallbacks would draft, the prior
-    table's) casting :data:`GUESS_VOTES` more; ties go as by recency. Where a key's
-    candidates disagree, the majority is right more often than the newest: tau
-    2.268 -> 2.316 on the MT-Bench replay (docs/results/draft-sources.md "Candidate ranking, replayed")."""
-    if not 1 <= len(pools) <= 2:
-        raise ValueError(f"match_pools takes one or two pools, got {len(pools)}")
-    first, second = pools[0], pools[-1]
+    Ranked by ``recency`` (the pool's ``rank``): the most recently used candidate the
+    request filed, else the most recently used one. By ``votes``: the candidate whose
+    first token the most candidates under the key begin with, each the request filed
+    casting :data:`OWN_VOTES` and each other one 1 (where the request's own text and
+    others' disagree, its own weighs more), ``guess`` (the next token the fallbacks would
+    draft, the prior table's) casting :data:`GUESS_VOTES`; ties go to the request's own,
+    then to the most recently used. Where a key's candidates disagree, the majority is
+    right more often than the newest: tau 2.268 -> 2.316 on the MT-Bench replay
+    (docs/results/draft-sources.md "Candidate ranking, replayed")."""
+    pool = target.pool
     context = _tokens(context)
-    scratch = first.arena.scratch if first.capacity >= second.capacity else second.arena.scratch
-    which, entry, key_len = kernels.match_pair(
-        first.arena.state, first.owner, second.arena.state, second.owner if len(pools) == 2 else -1,
-        context, 0, len(context), -1 if guess is None else guess, scratch)
-    if which < 0:
+    entry, key_len, own = kernels.match_pool(pool.arena.state, pool.owner, target.tag, context, 0, len(context),
+                                             -1 if guess is None else guess, pool.arena.scratch)
+    if entry < 0:
         return None
-    arena = pools[which].arena
-    return Match(arena.candidate(entry), arena.origin(entry) if which == 0 else Origin.SHARED, key_len)
+    arena = pool.arena
+    return Match(arena.candidate(entry), arena.origin(entry) if own else Origin.SHARED, key_len)
 
 
-def alternatives_in(pools: Sequence[NgramPool], context: Sequence[int]) -> Iterator[Candidate]:
-    """Every candidate of every pool under the suffixes of ``context``, longest key
-    first, then pool order, then most recently used first; each once."""
+def alternatives_in(target: RequestPool, context: Sequence[int]) -> Iterator[Candidate]:
+    """Every candidate under the suffixes of ``context``, longest key first, then those
+    the request ``target`` tags filed, then most recently used first; each once; recency
+    untouched (the draft tree's branches, :mod:`vllm_fafo.verification.draft_tree`)."""
     seen: set[Candidate] = set()
-    first = pools[0]
+    pool, tag = target
     context = _tokens(context)
-    longest = min(first.max_key_len, len(context))
-    for key_len in range(longest, first.min_key_len - 1, -1):
-        key = context[len(context) - key_len :]
-        for pool in pools:
-            for candidate in pool._newest_first(key):
-                if candidate not in seen:
-                    seen.add(candidate)
-                    yield candidate
+    longest = min(pool.max_key_len, len(context))
+    for key_len in range(longest, pool.min_key_len - 1, -1):
+        entries = pool._newest_first_entries(context[len(context) - key_len :])
+        if tag >= 0:
+            entries = sorted(entries, key=lambda entry: pool.arena.tag(entry) != tag)  # stable: recency kept
+        for entry in entries:
+            candidate = pool.arena.candidate(entry)
+            if candidate not in seen:
+                seen.add(candidate)
+                yield candidate

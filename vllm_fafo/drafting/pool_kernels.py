@@ -34,16 +34,20 @@ ST_CFG, ST_COUNTERS, ST_TABLE, ST_SLOTS, ST_ENTRIES, ST_STAMPS, ST_OWNERS = rang
 # columns of the slots (int32; one row per key, and the free slots' stack)
 S_OWNER, S_KLEN, S_HEAD, S_COUNT, S_PREV, S_NEXT, S_TPOS, S_FREE, S_KEY = range(9)
 # columns of the entries (int32; one row per candidate, and the free entries' stack); stamps are int64 apart
-E_LEN, E_ORIGIN, E_NEXT, E_FREE, E_TOK = range(5)
+# E_TAG: the request that last filed the candidate (a tenant's pool; tags are never reused), 0 where untagged
+E_LEN, E_ORIGIN, E_TAG, E_NEXT, E_FREE, E_TOK = range(6)
 # columns of the owners (int64; one row per pool); O_LRU: the owner bounds its keys and a key filed or chosen
-# again moves to its most recently used end (the least recently used evicted first), else keys stay in filing order
-O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS, O_LRU = range(5)
-NUM_OWNER_COLUMNS = 5
+# again moves to its most recently used end (the least recently used evicted first), else keys stay in filing order;
+# O_RUNNING_KEYS: keys its running requests filed, held on top of O_MAX_KEYS (a tenant's pool)
+O_HEAD, O_TAIL, O_KEYS, O_MAX_KEYS, O_LRU, O_RUNNING_KEYS = range(6)
+NUM_OWNER_COLUMNS = 6
 
 EMPTY = 0
 TOMBSTONE = -1
 GUESS_VOTES = 2
 """Votes the fallbacks' guess of the next token casts (see vllm_fafo.drafting.pool)."""
+OWN_VOTES = 3
+"""Votes a candidate the asking request filed casts in its tenant's pool (another request's: 1)."""
 
 
 @njit(cache=True, inline="always")
@@ -126,15 +130,13 @@ def has_room(st, keys, candidate_len):
 
 
 @njit(cache=True)
-def file_each(st, owners, contexts, context_lens, candidates, candidate_lens, origin):
+def file_each(st, owners, tags, contexts, context_lens, candidates, candidate_lens, origin):
     """:func:`file_candidate` of ``candidates[i, :candidate_lens[i]]`` under the suffixes
-    of ``contexts[i, :context_lens[i]]`` into ``owners[i, 0]``, then ``owners[i, 1]``
-    (-1: none), in row order: a step's lane n-grams in one call."""
+    of ``contexts[i, :context_lens[i]]`` into ``owners[i]`` tagged ``tags[i]``, in row
+    order: a step's lane n-grams in one call."""
     for i in range(len(context_lens)):
-        for j in range(owners.shape[1]):
-            if owners[i, j] >= 0:
-                file_candidate(st, owners[i, j], contexts[i], 0, context_lens[i], candidates[i], 0,
-                               candidate_lens[i], origin)
+        file_candidate(st, owners[i], tags[i], contexts[i], 0, context_lens[i], candidates[i], 0, candidate_lens[i],
+                       origin)
 
 
 @njit(cache=True)
@@ -218,9 +220,10 @@ def _same_entry(st, e, cand, c0, n):
 
 
 @njit(cache=True)
-def _file_under(st, s, cand, c0, n, origin):
-    """File a candidate under slot ``s``: refresh it if held, else add it (evicting the
-    least recently used candidate where the key is full)."""
+def _file_under(st, s, tag, cand, c0, n, origin):
+    """File a candidate under slot ``s``, tagged ``tag``: refresh it if held (its origin
+    and tag the new ones), else add it (evicting the least recently used candidate where
+    the key is full)."""
     counters = st[ST_COUNTERS]
     counters[CNT_STAMP] += 1
     e = st[ST_SLOTS][s, S_HEAD]
@@ -229,6 +232,7 @@ def _file_under(st, s, cand, c0, n, origin):
         if _same_entry(st, e, cand, c0, n):
             st[ST_STAMPS][e] = counters[CNT_STAMP]
             st[ST_ENTRIES][e, E_ORIGIN] = origin
+            st[ST_ENTRIES][e, E_TAG] = tag
             return
         if oldest < 0 or st[ST_STAMPS][e] < oldest_stamp:
             oldest, oldest_stamp = e, st[ST_STAMPS][e]
@@ -245,19 +249,22 @@ def _file_under(st, s, cand, c0, n, origin):
         st[ST_ENTRIES][e, E_TOK + j] = cand[c0 + j]
     st[ST_ENTRIES][e, E_LEN] = n
     st[ST_ENTRIES][e, E_ORIGIN] = origin
+    st[ST_ENTRIES][e, E_TAG] = tag
     st[ST_STAMPS][e] = counters[CNT_STAMP]
 
 
 @njit(cache=True)
-def file_candidate(st, owner, ctx, k0, k1, cand, c0, c1, origin):
-    """File ``cand[c0:c1]`` under every suffix of ``ctx[k0:k1]`` of the arena's key
-    lengths (the Python pool's ``add``)."""
+def file_candidate(st, owner, tag, ctx, k0, k1, cand, c0, c1, origin):
+    """File ``cand[c0:c1]``, tagged ``tag``, under every suffix of ``ctx[k0:k1]`` of the
+    arena's key lengths (the Python pool's ``add``). A bounded owner past its
+    ``O_MAX_KEYS`` plus ``O_RUNNING_KEYS`` keys evicts down to them."""
     n = c1 - c0
     if n <= 0:
         return
     cfg, counters = st[ST_CFG], st[ST_COUNTERS]
     longest = min(cfg[CFG_MAX_KEY], k1 - k0)
     max_keys = st[ST_OWNERS][owner, O_MAX_KEYS]
+    bound = max_keys + st[ST_OWNERS][owner, O_RUNNING_KEYS]
     for key_len in range(cfg[CFG_MIN_KEY], longest + 1):
         start = k1 - key_len
         s = find_slot(st, owner, ctx, start, key_len)
@@ -274,21 +281,29 @@ def file_candidate(st, owner, ctx, k0, k1, cand, c0, c1, origin):
             _insert_table(st, s, owner, ctx, start, key_len)
             _append_key(st, s, owner)
             st[ST_OWNERS][owner, O_KEYS] += 1
-            _file_under(st, s, cand, c0, n, origin)
-            if max_keys > 0 and st[ST_OWNERS][owner, O_KEYS] > max_keys:
+            _file_under(st, s, tag, cand, c0, n, origin)
+            while max_keys > 0 and st[ST_OWNERS][owner, O_KEYS] > bound:  # more than one where requests stopped
                 remove_slot(st, st[ST_OWNERS][owner, O_HEAD])
             continue
         refresh_key(st, s)
-        _file_under(st, s, cand, c0, n, origin)
+        _file_under(st, s, tag, cand, c0, n, origin)
+
+
+@njit(cache=True, inline="always")
+def _weight(st, e, me):
+    """Votes candidate ``e`` casts for the request tagged ``me`` (< 0: every candidate is its own)."""
+    return 1 if me < 0 or st[ST_ENTRIES][e, E_TAG] != me else OWN_VOTES
 
 
 @njit(cache=True)
-def _newest(st, s):
-    """The most recently used entry of slot ``s``."""
-    best, e = -1, st[ST_SLOTS][s, S_HEAD]
+def _newest(st, s, me):
+    """The most recently used of slot ``s``'s candidates the request tagged ``me`` filed,
+    else of all of them (``me`` < 0: all are its own)."""
+    best, best_own, e = -1, False, st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
-        if best < 0 or st[ST_STAMPS][e] > st[ST_STAMPS][best]:
-            best = e
+        own = me < 0 or st[ST_ENTRIES][e, E_TAG] == me
+        if best < 0 or (own and not best_own) or (own == best_own and st[ST_STAMPS][e] > st[ST_STAMPS][best]):
+            best, best_own = e, own
         e = st[ST_ENTRIES][e, E_NEXT]
     return best
 
@@ -309,8 +324,9 @@ def by_recency(st, s, out):
 
 
 @njit(cache=True)
-def _votes(st, s, firsts, counts, num):
-    """Count the first tokens of slot ``s``'s candidates into (firsts, counts)[:num]."""
+def _votes(st, s, me, firsts, counts, num):
+    """Count the first tokens of slot ``s``'s candidates, each its :func:`_weight`, into
+    (firsts, counts)[:num]; returns the new ``num``."""
     e = st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
         first = st[ST_ENTRIES][e, E_TOK + 0]
@@ -321,7 +337,7 @@ def _votes(st, s, firsts, counts, num):
             firsts[num] = first
             counts[num] = 0
             num += 1
-        counts[k] += 1
+        counts[k] += _weight(st, e, me)
         e = st[ST_ENTRIES][e, E_NEXT]
     return num
 
@@ -335,71 +351,52 @@ def _count_of(firsts, counts, num, token):
 
 
 @njit(cache=True)
-def _most_voted(st, s, firsts, counts, num):
-    """Slot ``s``'s candidate whose first token has the most votes in (firsts, counts)[:num],
-    the most recently used among equals (stamps are unique), and its votes: one pass,
-    what walking the candidates newest first and keeping each one with more votes finds."""
-    best, best_votes, best_stamp = -1, -1, np.int64(0)
+def _most_voted(st, s, me, firsts, counts, num):
+    """Slot ``s``'s candidate whose first token has the most votes in (firsts, counts)[:num];
+    among equals one the request tagged ``me`` filed, then the most recently used (stamps
+    are unique): one pass."""
+    best, best_votes, best_own, best_stamp = -1, -1, False, np.int64(0)
     e = st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
         c = _count_of(firsts, counts, num, st[ST_ENTRIES][e, E_TOK + 0])
-        if c > best_votes or (c == best_votes and st[ST_STAMPS][e] > best_stamp):
-            best, best_votes, best_stamp = e, c, st[ST_STAMPS][e]
+        own = me < 0 or st[ST_ENTRIES][e, E_TAG] == me
+        stamp = st[ST_STAMPS][e]
+        if c > best_votes or (c == best_votes and (own and not best_own or own == best_own and stamp > best_stamp)):
+            best, best_votes, best_own, best_stamp = e, c, own, stamp
         e = st[ST_ENTRIES][e, E_NEXT]
-    return best, best_votes
+    return best
 
 
 @njit(cache=True)
-def match_pair(st_a, own_a, st_b, own_b, ctx, k0, k1, guess, scratch):
-    """The Python pool's ``match_pools`` over pool A (``own_a`` in ``st_a``) and, where
-    ``own_b`` >= 0, pool B: returns (pool index, entry, key length), (-1, -1, 0) where
-    neither holds a candidate under any suffix of ``ctx[k0:k1]``. The chosen key and
-    candidate are refreshed as their pool's settings say. ``guess`` < 0: none.
-    ``scratch``: int64 room for 2 x (both pools' capacity + 1)."""
-    cfg = st_a[ST_CFG]
+def match_pool(st, owner, me, ctx, k0, k1, guess, scratch):
+    """The Python pool's ``match`` in ``owner`` for the request tagged ``me`` (< 0: the
+    pool is the request's alone): returns (entry, key length, whether the request filed
+    it), (-1, 0, False) where no suffix of ``ctx[k0:k1]`` holds a candidate. The chosen
+    key and candidate are refreshed as the arena's settings say. ``guess`` < 0: none.
+    ``scratch``: int64 room for 2 x (the capacity + 1)."""
+    cfg = st[ST_CFG]
     longest = min(cfg[CFG_MAX_KEY], k1 - k0)
     votes = cfg[CFG_VOTES] != 0
     cap = len(scratch) // 2
     firsts, counts = scratch[:cap], scratch[cap : 2 * cap]
     for key_len in range(longest, cfg[CFG_MIN_KEY] - 1, -1):
-        start = k1 - key_len
-        sa = find_slot(st_a, own_a, ctx, start, key_len)
-        sb = find_slot(st_b, own_b, ctx, start, key_len) if own_b >= 0 else -1
-        if sa >= 0 and st_a[ST_SLOTS][sa, S_HEAD] < 0:
-            sa = -1
-        if sb >= 0 and st_b[ST_SLOTS][sb, S_HEAD] < 0:
-            sb = -1
-        if sa < 0 and sb < 0:
+        s = find_slot(st, owner, ctx, k1 - key_len, key_len)
+        if s < 0 or st[ST_SLOTS][s, S_HEAD] < 0:
             continue
-        which, best = -1, -1
-        if not votes:
-            if sa >= 0:
-                which, best = 0, _newest(st_a, sa)
-            else:
-                which, best = 1, _newest(st_b, sb)
-        else:
+        if votes:
             num = 0
             if guess >= 0:
                 firsts[0], counts[0], num = guess, GUESS_VOTES, 1
-            if sa >= 0:
-                num = _votes(st_a, sa, firsts, counts, num)
-            if sb >= 0:
-                num = _votes(st_b, sb, firsts, counts, num)
-            best_votes = -1
-            if sa >= 0:  # the own pool first: the shared one's candidate must have more votes
-                which = 0
-                best, best_votes = _most_voted(st_a, sa, firsts, counts, num)
-            if sb >= 0:
-                entry, entry_votes = _most_voted(st_b, sb, firsts, counts, num)
-                if entry_votes > best_votes:
-                    which, best = 1, entry
-        st = st_a if which == 0 else st_b
-        refresh_key(st, sa if which == 0 else sb)
-        if st[ST_CFG][CFG_TOUCH] != 0:
+            num = _votes(st, s, me, firsts, counts, num)
+            best = _most_voted(st, s, me, firsts, counts, num)
+        else:
+            best = _newest(st, s, me)
+        refresh_key(st, s)
+        if cfg[CFG_TOUCH] != 0:
             st[ST_COUNTERS][CNT_STAMP] += 1
             st[ST_STAMPS][best] = st[ST_COUNTERS][CNT_STAMP]
-        return which, best, key_len
-    return -1, -1, 0
+        return best, key_len, me < 0 or st[ST_ENTRIES][best, E_TAG] == me
+    return -1, 0, False
 
 
 @njit(cache=True)

@@ -2,8 +2,8 @@
 
 :func:`file_and_draft` runs, for each request in row order (the order vLLM's
 batch has), what the Python proposer ran per request: file the n-grams its
-text completed into its own pool and its tenant's shared pool
-(:mod:`vllm_fafo.drafting.pool_kernels`), feed its text to the deep matches
+text completed into its pool (its tenant's where pools are shared, tagged as
+its own; :mod:`vllm_fafo.drafting.pool_kernels`), feed its text to the deep matches
 and match its end there (:mod:`vllm_fafo.drafting.text_kernels`), then chain
 pool candidates after the deep match (or from scratch), where the pools miss
 Cacheback's frozen table, then the prior table, into preallocated outputs.
@@ -22,16 +22,18 @@ from vllm_fafo.drafting.pool_kernels import (
     E_LEN,
     E_ORIGIN,
     E_TOK,
+    O_RUNNING_KEYS,
     S_HEAD,
     ST_CFG,
     ST_ENTRIES,
+    ST_OWNERS,
     ST_SLOTS,
     ST_STAMPS,
     ST_TABLE,
     file_candidate,
     has_room,
     hash_key,
-    match_pair,
+    match_pool,
 )
 from vllm_fafo.drafting.text_kernels import deep_match, feed_text
 
@@ -58,6 +60,14 @@ def _filing_stop(num_tokens, prompt_len, ngram_len, seed_from_output):
     return stop
 
 
+@njit(cache=True, inline="always")
+def anchor_keys(st, anchors):
+    """The keys ``anchors`` filed anchors count for (every key length each: at most what
+    they file): what a request's filing adds to its tenant's pool's ``O_RUNNING_KEYS``
+    while it runs (taken off when it stops: :meth:`~vllm_fafo.drafting.index.DraftIndex.stop`)."""
+    return anchors * (st[ST_CFG][CFG_MAX_KEY] - st[ST_CFG][CFG_MIN_KEY] + 1)
+
+
 ROOM_OK, ROOM_POOLS, ROOM_TEXTS, ROOM_OUTPUTS = range(4)
 """:func:`file_and_draft`'s answers: done, or nothing done because the pools' arena, the
 texts or the outputs lack room (the caller grows them and calls again)."""
@@ -67,7 +77,7 @@ texts or the outputs lack room (the caller grows them and calls again)."""
 def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors, max_draft, max_len,
           ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
-    the keys it files (each anchor's keys, in its own pool and its tenant's), the texts'
+    the keys it files (each anchor's keys), the texts'
     growth and their places, the outputs' rows and width; and the keys it files (0 where
     it stopped before counting them all; :data:`ROOM_OK`'s and :data:`ROOM_POOLS`' are whole)."""
     count = len(num_tokens)
@@ -80,7 +90,7 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
             return ROOM_OUTPUTS, 0
         stop = _filing_stop(num_tokens[i], prompt_lens[s], ngram_len, seed_from_output)
         if stop > next_anchors[s]:
-            keys += (stop - next_anchors[s]) * (2 if owners[s, 1] >= 0 else 1)
+            keys += stop - next_anchors[s]
         if deep_on:
             text = owners[s, 2]
             if num_tokens[i] > t_cap[text]:
@@ -117,11 +127,8 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
         for anchor in range(next_anchors[s], stop):
             end = anchor + 1
             for key_len in range(min_key, min(max_key, end) + 1):
-                for j in range(2):
-                    owner = owners[s, j]
-                    if owner >= 0:
-                        cells[n] = table[hash_key(owner, hist, end - key_len, key_len) & mask]
-                        n += 1
+                cells[n] = table[hash_key(owners[s, 0], hist, end - key_len, key_len) & mask]
+                n += 1
     for j in range(n):
         cells[j] = keys[cells[j] - 1, S_HEAD] if cells[j] > 0 else -1
     checksum = 0
@@ -139,8 +146,9 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     Python proposer's loop). Request i's numbers are entry ``s = slots[i]`` of
     ``owners``, ``prompt_lens`` and ``next_anchors`` (tables by slot), its text the first
     ``num_tokens[i]`` tokens of ``history[rows[i]]``: file the n-grams it completed since
-    ``next_anchors[s]`` into the request's pool ``owners[s, 0]`` and its tenant's shared
-    pool ``owners[s, 1]`` (-1: none), then draft up to ``min(max_draft, max_len -
+    ``next_anchors[s]`` into its pool ``owners[s, 0]`` tagged ``owners[s, 1]`` (its
+    tenant's pool, which holds the keys filed so on top of its bound,
+    :func:`anchor_keys`; -1: the pool is its own), then draft up to ``min(max_draft, max_len -
     num_tokens[i])`` tokens: a deep match
     first, then chained candidates of the pools, where they miss Cacheback's frozen table
     (``frozen``, its owner ``frozen_owner``; None: none), then the prior table (``prior_lens`` non-empty), whose next
@@ -167,20 +175,20 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         place[0] = 1
     for i in range(len(rows)):
         s = slots[i]
-        own, shared = owners[s, 0], owners[s, 1]
+        pool, tag = owners[s, 0], owners[s, 1]
         drafts[i, :] = 0
         origins[i, :] = 0
         hist = history[rows[i]]
         n_tok = num_tokens[i]
         # file the completed n-grams (anchors whose n-gram is whole)
         stop = _filing_stop(n_tok, prompt_lens[s], ngram_len, seed_from_output)
+        if tag >= 0 and stop > next_anchors[s]:  # held on top of the tenant's bound from the first
+            st[ST_OWNERS][pool, O_RUNNING_KEYS] += anchor_keys(st, stop - next_anchors[s])
         for anchor in range(next_anchors[s], stop):
             end = anchor + 1
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
-            file_candidate(st, own, hist, k0, end, hist, end, end + ngram_len, origin)
-            if shared >= 0:
-                file_candidate(st, shared, hist, k0, end, hist, end, end + ngram_len, origin)
+            file_candidate(st, pool, tag, hist, k0, end, hist, end, end + ngram_len, origin)
         if stop > next_anchors[s]:
             next_anchors[s] = stop
         room = min(max_draft, max_len - n_tok)
@@ -225,21 +233,19 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             frozen_key = 0
             guess = -1
             if frozen is not None:  # compiled out without a frozen table (numba prunes it)
-                which, entry, frozen_key = match_pair(frozen, frozen_owner, frozen, -1, context, c0, n_ctx, -1,
-                                                      scratch)
-                if which >= 0:
+                entry, frozen_key, _ = match_pool(frozen, frozen_owner, -1, context, c0, n_ctx, -1, scratch)
+                if entry >= 0:
                     guess_entry = entry
                     guess = frozen[ST_ENTRIES][guess_entry, E_TOK + 0]
             if guess_entry < 0:
                 guess_len = _prior_piece(prior, prior_lens, context[n_ctx - 1])
                 if guess_len > 0:
                     guess = prior[context[n_ctx - 1], 0]
-            which, entry, key_len = match_pair(st, own, st, shared, context, c0, n_ctx,
-                                               guess if votes else -1, scratch)
+            entry, key_len, own = match_pool(st, pool, tag, context, c0, n_ctx, guess if votes else -1, scratch)
             piece, piece_len, origin = st[ST_ENTRIES][0, E_TOK:], 0, 0
-            if which >= 0:
+            if entry >= 0:
                 piece, piece_len = st[ST_ENTRIES][entry, E_TOK:], st[ST_ENTRIES][entry, E_LEN]
-                origin = ORIGIN_SHARED if which == 1 else st[ST_ENTRIES][entry, E_ORIGIN]
+                origin = st[ST_ENTRIES][entry, E_ORIGIN] if own else ORIGIN_SHARED
             elif guess_entry >= 0:
                 if frozen is not None:
                     piece, piece_len = frozen[ST_ENTRIES][guess_entry, E_TOK:], frozen[ST_ENTRIES][guess_entry, E_LEN]

@@ -38,10 +38,10 @@ def feed_text(pos, store, start, old_len, new_len, key_len, own, answers, text_i
     for end in range(first + key_len - 1, new_len - 1):
         k0 = start + end - key_len + 1
         place[0] = end
-        file_candidate(pos, own, store, k0, k0 + key_len, place, 0, 1, 0)
+        file_candidate(pos, own, 0, store, k0, k0 + key_len, place, 0, 1, 0)
         if answers >= 0:
             place[0], place[1] = text_id, end
-            file_candidate(pos, answers, store, k0, k0 + key_len, place, 0, 2, 0)
+            file_candidate(pos, answers, 0, store, k0, k0 + key_len, place, 0, 2, 0)
 
 
 @njit(cache=True)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_fafo.drafting.pool import NgramPool, alternatives_in
+from vllm_fafo.drafting.pool import RequestPool, alternatives_in
 
 PLACEHOLDER = -1
 """vLLM's rejection sampler marks unused slots of a sampled row with -1."""
@@ -64,7 +64,7 @@ class Branch:
 
 
 def grow_branches(
-    pools: Sequence[NgramPool],
+    target: RequestPool,
     context: Sequence[int],
     spine: Sequence[int],
     max_branches: int,
@@ -74,7 +74,7 @@ def grow_branches(
 
     Node 0 first (the spine's first token is the likeliest to be rejected),
     then deeper nodes; at each node the pool's candidates under the longest
-    matching key first (the request's own pool, then the shared one); one branch
+    matching key first (the request's own candidates first, then others'); one branch
     per first token the spine and earlier branches do not already take there. A
     branch is cut to the spine's depth.
     ``context`` is the text before the current token's successor (its last
@@ -82,11 +82,11 @@ def grow_branches(
     """
     branches: list[Branch] = []
     budget = max_tokens
-    text = list(context[-pools[0].max_key_len :])
+    text = list(context[-target.pool.max_key_len :])
     for node in range(len(spine)):
         room = len(spine) - node
         taken = {spine[node]}
-        for candidate in alternatives_in(pools, text + list(spine[:node])):
+        for candidate in alternatives_in(target, text + list(spine[:node])):
             if len(branches) == max_branches or budget <= 0:
                 return branches
             if candidate[0] in taken:

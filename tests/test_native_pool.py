@@ -317,9 +317,10 @@ before = {f.__name__: len(f.signatures) for f in kernels}
 batch = FakeBatch()
 batch.add("a", [1, 2, 3, 4, 5, 1, 2, 3, 4, 6] * 4)
 batch.add("b", [7, 8, 9] * 5, cache_salt="t")
+batch.add("c", list(range(100, 1600)))  # a long prompt: the arena and the texts grow (and the table is rebuilt)
 for _ in range(6):
-    batch.step(proposer, [[1, 2], [7]], num_scheduled_tokens=4)  # tokens: the controller prices steps
-proposer.remove_requests(["a", "b"])
+    batch.step(proposer, [[1, 2], [7], [1600]], num_scheduled_tokens=4)  # tokens: the controller prices steps
+proposer.remove_requests(["a", "b", "c"])
 after = {f.__name__: len(f.signatures) for f in kernels}
 assert after == before, {name: (before[name], after[name]) for name in after if after[name] != before[name]}
 """

@@ -468,7 +468,7 @@ class FafoProposer:
 
     @property
     def shared(self) -> TenantPools | None:
-        """The tenants' shared pools (None: sharing off)."""
+        """The tenants' pools (None: sharing off, a pool per request)."""
         return self.index.shared
 
     @property
@@ -477,7 +477,7 @@ class FafoProposer:
         return self.index.texts
 
     def forget_shared_pool(self) -> None:
-        """Empty every tenant's shared pool (and the answers kept for deep matches), so a benchmark's runs
+        """Empty every tenant's pool (and the answers kept for deep matches), so a benchmark's runs
         do not learn each other's answers."""
         self.index.forget_shared()
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.drafting import step_kernel
+from vllm_fafo.drafting import pool_kernels, step_kernel
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.pool import (
     ORIGIN_CODE,
@@ -224,6 +224,7 @@ def load_kernels(config: FafoConfig) -> None:
     anchors = one.copy()
     index.draft_batch(one, index.owners("warm-up", target)[None], np.array([32]), anchors, history, one,
                       np.array([40]), 4, 64)
+    pool_kernels.rehash(index.arena.state)  # what growing the arena runs, in a step where it grows
     file_each_in([target], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(target, [1, 2]))
     index.stop("warm-up", target, int(anchors[0]))

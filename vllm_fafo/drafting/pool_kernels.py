@@ -2,13 +2,14 @@
 
 Every pool of an engine lives in one arena of preallocated numpy arrays (a
 :class:`~vllm_fafo.drafting.pool.PoolArena`), told apart by an owner id: a
-request's own pool, a tenant's shared pool. A key is a slot found through an
+tenant's pool (its requests' candidates tagged with the request that filed them),
+or a request's own. A key is a slot found through an
 open-addressing table hashed on (owner, key tokens); a slot's candidates are
 entries on a singly linked list, ordered by recency stamps (one counter per
 arena, raised on every use), and an owner's keys are on a doubly linked list
 in the order an ``OrderedDict`` would keep them: by recency where the owner
 evicts its least recently used key (Cacheback's leaders), else in filing order
-(the tenants' shared pools evict the first filed). Kernels never allocate: the
+(the tenants' pools evict the first filed). Kernels never allocate: the
 arena reserves room before each call (:meth:`PoolArena.reserve`), as vLLM's
 ``ngram`` kernel writes into preallocated outputs.
 

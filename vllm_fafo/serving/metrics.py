@@ -111,7 +111,7 @@ def collect_metrics(llm: Any) -> dict[str, Any]:
     """FAFO counters of an ``LLM`` engine (worker 0), via ``collective_rpc``, with
     gauges (``requests_tracked``: requests the proposer holds state for;
     ``requests_with_region``: those holding a compressed-region row;
-    ``shared_pool_tenants`` and ``shared_pool_keys``: what the shared pool holds;
+    ``shared_pool_tenants`` and ``shared_pool_keys``: what the tenants' pools hold;
     ``kept_answers``: the answers deep matches are drafted from; ``index_bytes``:
     the bytes the draft index's arrays take, allocated) and the goodput
     controller's latest choices and cost curve under ``"controller"``."""

@@ -68,10 +68,10 @@ COUNTER_LABELS = {"proposed_tokens": "origin", "accepted_tokens": "origin", "pad
 GAUGES: dict[str, str] = {
     "requests_tracked": "Requests the proposer holds state for.",
     "requests_with_region": "Requests holding a compressed-region row (fumble lanes).",
-    "shared_pool_tenants": "Tenants (cache_salt values) with a shared pool.",
-    "shared_pool_keys": "Keys held by the shared pools of all tenants.",
+    "shared_pool_tenants": "Tenants (cache_salt values) with a pool.",
+    "shared_pool_keys": "Keys held by the tenants' pools (their running requests' included).",
     "kept_answers": "Answers (finished and running) of all tenants that deep matches are drafted from.",
-    "index_bytes": "Bytes of the draft index's arrays (pools, shared pools, deep matches' texts and places), "
+    "index_bytes": "Bytes of the draft index's arrays (the pools, the deep matches' texts and places), "
                    "allocated.",
 }
 """Snapshot key -> help text of each gauge (exported as ``vllm:fafo_<key>``)."""

@@ -9,8 +9,8 @@ candidate tagged with the request that last filed it (tags are never reused:
 ``OWN_VOTES`` each where a key's candidates disagree, others' one, and it wins
 ties (:func:`vllm_fafo.drafting.pool.match_in`). One filing and one lookup
 per key where a pool per request and a shared one took two of each: 0.58x to
-0.74x the step kernel's time at batch 8 to 32, replayed tau within 1 %
-(docs/results/host-time.md).
+0.76x the proposer's host time per step at batch 8 to 128, replayed tau within
+1 % (docs/results/host-time.md).
 
 A tenant is vLLM's ``cache_salt`` (the same value that isolates prefix-cache
 blocks): requests only see candidates of requests with the same salt;

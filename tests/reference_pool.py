@@ -32,7 +32,8 @@ def _packed(tokens: Sequence[int]) -> bytes:
     untracks it, so those dicts piled up on the collector's lists and every full
     collection walked them all: pauses of up to 0.43 s at 32 requests x 1,024 tokens
     (docs/results/serving.md "Garbage collector pauses"). A dict of bytes and ints is
-    never tracked. Origins are kept as plain ints for the same reason."""
+    never tracked. (Since tags, each candidate's origin and tag are a tuple: tracked,
+    which a reference for the tests can afford.)"""
     return array("i", tokens).tobytes()
 
 

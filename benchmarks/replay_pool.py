@@ -168,7 +168,7 @@ def replay(config: FafoConfig, requests: list[tuple[list[int], list[int]]],
             forwards += 1  # the prefill's forward gives the first token
             continue
         if event == "finish":
-            index.stop(payload.req_id, payload.pool, payload.next_anchor - first_anchor(config, payload.prompt_len))
+            index.stop(payload.req_id, payload.pool, payload.prompt_len, payload.next_anchor)
             judge.forget([payload.slot])
             tokens += len(payload.output)
             continue

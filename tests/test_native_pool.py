@@ -264,7 +264,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
             seen += np.bincount(origins, minlength=len(seen))
         for req in [req for req in live if req["n"] >= length - room]:  # finished
             live.remove(req)
-            index.stop(req["id"], req["pool"], req["anchor"])
+            index.stop(req["id"], req["pool"], 20, req["anchor"])
             req["ref"].pool.running_keys -= req["anchor"] * config.max_key_len
             ref_texts.stop(req["id"])
     drafted = {origin.value: int(seen[code]) for code, origin in enumerate(native.ORIGINS)}

@@ -436,11 +436,10 @@ class FafoProposer:
             self._tenants.pop(req_id, None)
             state = self._requests.pop(req_id, None)
             if state is None:  # it never decoded
-                self.index.stop(req_id, None, 0)
+                self.index.stop(req_id, None)
                 continue
             slot = state.slot
-            filed = int(self._table.next_anchor[slot]) - first_anchor(self.config, int(self._table.prompt_len[slot]))
-            self.index.stop(req_id, state.pool, filed)
+            self.index.stop(req_id, state.pool, int(self._table.prompt_len[slot]), int(self._table.next_anchor[slot]))
             self._table.remove(req_id)
             freed.append(slot)
             self.metrics.requests_freed += 1

@@ -125,13 +125,14 @@ class DraftIndex:
         once at start, are left out."""
         return self.arena.nbytes() + (0 if self.texts is None else self.texts.nbytes())
 
-    def stop(self, req_id: str, target: RequestPool | None, anchors_filed: int) -> None:
-        """A request finished, having filed ``anchors_filed`` anchors into ``target`` (None:
-        it never decoded): its keys in its tenant's pool are bounded with the tenant's
-        from now on (:func:`~vllm_fafo.drafting.step_kernel.anchor_keys`), its answer stays
-        for deep matches of later requests."""
+    def stop(self, req_id: str, target: RequestPool | None, prompt_len: int = 0, next_anchor: int = 0) -> None:
+        """A request finished, its prompt ``prompt_len`` tokens, having filed ``target`` (None:
+        it never decoded) up to ``next_anchor``: its keys in its tenant's pool are bounded
+        with the tenant's from now on (:func:`~vllm_fafo.drafting.step_kernel.anchor_keys`),
+        its answer stays for deep matches of later requests."""
         if target is not None and target.tag >= 0:
-            self.arena.release_running(target.pool.owner, step_kernel.anchor_keys(self.arena.state, anchors_filed))
+            filed = next_anchor - first_anchor(self.config, prompt_len)
+            self.arena.release_running(target.pool.owner, step_kernel.anchor_keys(self.arena.state, filed))
         if self.texts is not None:
             self.texts.stop(req_id)
 
@@ -221,10 +222,10 @@ def load_kernels(config: FafoConfig) -> None:
     history = (np.arange(64) % 7).astype(np.int32)[None, :]  # int32 rows, as vLLM's token_ids_cpu
     target = index.start("warm-up", None, history[0, :32])
     one = np.zeros(1, dtype=np.int64)
-    anchors = one.copy()
+    anchors = np.array([first_anchor(config, 32)], dtype=np.int64)
     index.draft_batch(one, index.owners("warm-up", target)[None], np.array([32]), anchors, history, one,
                       np.array([40]), 4, 64)
     pool_kernels.rehash(index.arena.state)  # what growing the arena runs, in a step where it grows
     file_each_in([target], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(target, [1, 2]))
-    index.stop("warm-up", target, int(anchors[0]))
+    index.stop("warm-up", target, 32, int(anchors[0]))

@@ -291,9 +291,23 @@ def file_candidate(st, owner, tag, ctx, k0, k1, cand, c0, c1, origin):
 
 
 @njit(cache=True, inline="always")
+def _is_own(st, e, me):
+    """Whether candidate ``e`` is the request tagged ``me``'s (< 0: every candidate is its own)."""
+    return me < 0 or st[ST_ENTRIES][e, E_TAG] == me
+
+
+@njit(cache=True, inline="always")
 def _weight(st, e, me):
-    """Votes candidate ``e`` casts for the request tagged ``me`` (< 0: every candidate is its own)."""
-    return 1 if me < 0 or st[ST_ENTRIES][e, E_TAG] != me else OWN_VOTES
+    """Votes candidate ``e`` casts for the request tagged ``me``: its own ``OWN_VOTES`` in a
+    tenant's pool, else 1."""
+    return OWN_VOTES if me >= 0 and st[ST_ENTRIES][e, E_TAG] == me else 1
+
+
+@njit(cache=True, inline="always")
+def before_on_tie(own, stamp, best_own, best_stamp):
+    """The one tie rule of every ranking (candidates, deep matches' places): the asker's
+    own before others', then the later (stamps are unique)."""
+    return (own and not best_own) or (own == best_own and stamp > best_stamp)
 
 
 @njit(cache=True)
@@ -302,8 +316,8 @@ def _newest(st, s, me):
     else of all of them (``me`` < 0: all are its own)."""
     best, best_own, e = -1, False, st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
-        own = me < 0 or st[ST_ENTRIES][e, E_TAG] == me
-        if best < 0 or (own and not best_own) or (own == best_own and st[ST_STAMPS][e] > st[ST_STAMPS][best]):
+        own = _is_own(st, e, me)
+        if best < 0 or before_on_tie(own, st[ST_STAMPS][e], best_own, st[ST_STAMPS][best]):
             best, best_own = e, own
         e = st[ST_ENTRIES][e, E_NEXT]
     return best
@@ -360,9 +374,9 @@ def _most_voted(st, s, me, firsts, counts, num):
     e = st[ST_SLOTS][s, S_HEAD]
     while e >= 0:
         c = _count_of(firsts, counts, num, st[ST_ENTRIES][e, E_TOK + 0])
-        own = me < 0 or st[ST_ENTRIES][e, E_TAG] == me
+        own = _is_own(st, e, me)
         stamp = st[ST_STAMPS][e]
-        if c > best_votes or (c == best_votes and (own and not best_own or own == best_own and stamp > best_stamp)):
+        if c > best_votes or (c == best_votes and before_on_tie(own, stamp, best_own, best_stamp)):
             best, best_votes, best_own, best_stamp = e, c, own, stamp
         e = st[ST_ENTRIES][e, E_NEXT]
     return best
@@ -396,7 +410,7 @@ def match_pool(st, owner, me, ctx, k0, k1, guess, scratch):
         if cfg[CFG_TOUCH] != 0:
             st[ST_COUNTERS][CNT_STAMP] += 1
             st[ST_STAMPS][best] = st[ST_COUNTERS][CNT_STAMP]
-        return best, key_len, me < 0 or st[ST_ENTRIES][best, E_TAG] == me
+        return best, key_len, _is_own(st, best, me)
     return -1, 0, False
 
 

@@ -181,16 +181,16 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         hist = history[rows[i]]
         n_tok = num_tokens[i]
         # file the completed n-grams (anchors whose n-gram is whole)
-        stop = _filing_stop(n_tok, prompt_lens[s], ngram_len, seed_from_output)
-        if tag >= 0 and stop > next_anchors[s]:  # held on top of the tenant's bound from the first
-            st[ST_OWNERS][pool, O_RUNNING_KEYS] += anchor_keys(st, stop - next_anchors[s])
-        for anchor in range(next_anchors[s], stop):
+        stop, start = _filing_stop(n_tok, prompt_lens[s], ngram_len, seed_from_output), next_anchors[s]
+        if stop > start:
+            next_anchors[s] = stop
+            if tag >= 0:  # held on top of the tenant's bound from the first
+                st[ST_OWNERS][pool, O_RUNNING_KEYS] += anchor_keys(st, stop - start)
+        for anchor in range(start, stop):
             end = anchor + 1
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
             file_candidate(st, pool, tag, hist, k0, end, hist, end, end + ngram_len, origin)
-        if stop > next_anchors[s]:
-            next_anchors[s] = stop
         room = min(max_draft, max_len - n_tok)
         length = 0
         first_key = 0

@@ -23,6 +23,7 @@ from vllm_fafo.drafting.pool_kernels import (
     ST_ENTRIES,
     ST_SLOTS,
     ST_STAMPS,
+    before_on_tie,
     file_candidate,
     find_slot,
     remove_entry,
@@ -85,7 +86,7 @@ def _deepest_place(pos, s, store, t_start, context, n_ctx, own_text, answers_key
         if not (answers_key and text == own_text):
             mine, stamp = not answers_key, pos[ST_STAMPS][e]
             depth = _depth(store, t_start[text], end, context, n_ctx)
-            if depth > best[2] or (depth == best[2] and (mine and not best[4] or mine == best[4] and stamp > best[3])):
+            if depth > best[2] or (depth == best[2] and before_on_tie(mine, stamp, best[4], best[3])):
                 best = (text, end, depth, stamp, mine)
         e = pos[ST_ENTRIES][e, E_NEXT]
     return best

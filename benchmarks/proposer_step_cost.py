@@ -35,6 +35,10 @@ a GPU host, whose forwards leave the processor's caches to it), with 96 they are
 ``--set KEY=JSON`` (repeatable) sets one of FAFO's keys over the benchmark's, to see
 what a draft source costs per step (``--set share_pool=false --set deep_match=false``).
 
+``--thread-time`` times the steps by the thread's processor time instead of the wall clock:
+on a shared virtual machine the wall clock also counts the time other tenants held the
+processor (runs of one setting spread by up to 40 % there), processor time does not.
+
 ``--gc-pauses`` freezes the heap before the proposer is made, as a vLLM engine
 freezes its start-up heap, so that the garbage collector's full collections walk
 only what the proposer made since, and reports them: how many ran during the
@@ -135,7 +139,8 @@ def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[
     return sampled
 
 
-def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict_mib: int = 0) -> dict:
+def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict_mib: int = 0,
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
     """:func:`measure` for vLLM's ``ngram`` proposer (the matrix's settings) over the same
     texts: its ``propose`` per step, and its tau."""
     from matrix import NGRAM_SPEC
@@ -161,21 +166,22 @@ def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict
         sampled = accepted_tokens(rows, num_tokens, drafts)
         decoded += int(num_tokens.sum()) - before
         evict()
-        start = time.perf_counter()
+        start = clock()
         drafts = proposer.propose(k, sampled, num_tokens, rows)
-        elapsed += time.perf_counter() - start
+        elapsed += clock() - start
     return {"us_per_step": elapsed / steps * 1e6, "tau": decoded / (steps * batch)}
 
 
 def measure(batch: int, history_len: int, steps: int, controller: str, seed: int = 0,
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
-            gc_pauses: bool = False, evict_mib: int = 0, settings: dict | None = None) -> dict:
+            gc_pauses: bool = False, evict_mib: int = 0, settings: dict | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too; with ``evict_mib``,
     that many MiB written before each step (untimed), as a forward leaves the caches;
-    ``settings``: more of FAFO's keys (``--set``)."""
+    ``settings``: more of FAFO's keys (``--set``); ``clock``: what the steps are timed by."""
     config = FafoConfig(**{"num_lanes": 0, "controller": controller, "num_speculative_tokens": num_speculative_tokens,
                            "pad_drafts": pad_drafts, "prior_table": "off", **(settings or {})})
     rng = np.random.default_rng(seed)
@@ -205,12 +211,12 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
         decoded += int(num_tokens.sum()) - before
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
         evict()
-        start = time.perf_counter()
+        start = clock()
         proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)
         clock.now += step_seconds(cost_ms, sum(map(len, drafts)), batch)
         drafts = proposer.propose(sampled, num_tokens, rows)
-        step = time.perf_counter() - start
+        step = clock() - start
         elapsed += step
         slowest = max(slowest, step)
     result = {
@@ -276,6 +282,9 @@ def main() -> None:
     parser.add_argument("--evict-mib", type=int, default=0,
                         help="write this many MiB before each step, untimed (96: above the L3, as a CPU forward "
                              "leaves the caches; the engine's host time is the cold one, benchmarks/cold_calls.py)")
+    parser.add_argument("--thread-time", action="store_true",
+                        help="time FAFO's steps by the thread's processor time, not the wall clock (a shared machine's "
+                             "other tenants then do not count)")
     parser.add_argument("--ngram", action="store_true",
                         help="also vLLM's ngram proposer over the same texts, batch and eviction, and FAFO's time over it")
     parser.add_argument("--cost-ms", default=CPU_LIKE_COST_MS, type=cost_ms_argument,
@@ -288,12 +297,14 @@ def main() -> None:
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, "
           f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
-          f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms")
+          f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms"
+          f"{', timed by the thread processor time' if args.thread_time else ''}")
     settings = dict(args.set)
     if settings:
         print("settings: " + ", ".join(f"{key}={json.dumps(value)}" for key, value in settings.items()))
     options = {"cost_ms": cost_ms, "num_speculative_tokens": args.num_speculative_tokens,
-               "pad_drafts": args.pad_drafts, "settings": settings}
+               "pad_drafts": args.pad_drafts, "settings": settings,
+               "clock": time.thread_time if args.thread_time else time.perf_counter}
     measure(1, 128, 100, args.controller, **options)  # the process's first steps run slower
     if args.ngram:
         measure_ngram(1, 128, 100)  # its first steps too
@@ -310,7 +321,7 @@ def main() -> None:
                         if args.gc_pauses else "")
             ngram_cells = ""
             if args.ngram:
-                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib)
+                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib, clock=options["clock"])
                 ngram_cells = (f" {ngram['us_per_step']:.1f} | {ngram['tau']:.2f} "
                                f"| {result['us_per_step'] / ngram['us_per_step']:.2f} |")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "

@@ -88,9 +88,10 @@ def test_branch_attention_cost_command_runs_and_its_three_ways_agree():
 def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     command = [
         sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"),
-        "--batch-sizes", "1,4", "--history", "256", "--steps", "50", "--gc-pauses", "--ngram",
+        "--batch-sizes", "1,4", "--history", "256", "--steps", "50", "--gc-pauses", "--ngram", "--thread-time",
     ]
     result = subprocess.run(command, check=True, timeout=300, cwd=ROOT, capture_output=True, text=True)
+    assert "timed by the thread processor time" in result.stdout.splitlines()[0]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
     assert [int(row[0]) for row in rows] == [1, 4]
     for row in rows:

@@ -19,6 +19,13 @@ the ``ST_*`` indices below: a few arrays with a row per key, candidate and pool
 and a call unboxes seven arrays, not one per field (the step's kernels run
 between two forwards, with cold caches: docs/results/host-time.md). The semantics are the Python pool's (tests hold
 them against ``tests/reference_pool.py``).
+
+The kernels a step calls per key or candidate (the filing, the lookup, their
+helpers) are inlined into their callers (``inline="always"``): a call that passes
+the arena's seven arrays cost as much as the work it did (re-filing a 3-token
+anchor in a warm arena took 490 ns per anchor through calls, 240 inlined; the
+step's filing and drafting 7-25 % less at batch 8-128, docs/results/host-time.md),
+at the price of about 20 s more compiling on a machine's first engine start.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ def hash_key(owner, tokens, start, length):
     return h ^ (h >> np.int64(31))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def find_slot(st, owner, tokens, start, length):
     """The slot of ``owner``'s key ``tokens[start:start+length]``, -1 where it has none."""
     table = st[ST_TABLE]
@@ -82,7 +89,7 @@ def find_slot(st, owner, tokens, start, length):
         i = (i + 1) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _insert_table(st, s, owner, tokens, start, length):
     table = st[ST_TABLE]
     mask = len(table) - 1
@@ -95,7 +102,7 @@ def _insert_table(st, s, owner, tokens, start, length):
     st[ST_SLOTS][s, S_TPOS] = i
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _unlink_key(st, s):
     owner = st[ST_SLOTS][s, S_OWNER]
     prev, nxt = st[ST_SLOTS][s, S_PREV], st[ST_SLOTS][s, S_NEXT]
@@ -109,7 +116,7 @@ def _unlink_key(st, s):
         st[ST_OWNERS][owner, O_TAIL] = prev
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _append_key(st, s, owner):
     tail = st[ST_OWNERS][owner, O_TAIL]
     st[ST_SLOTS][s, S_PREV] = tail
@@ -140,7 +147,7 @@ def file_each(st, owners, tags, contexts, context_lens, candidates, candidate_le
                        origin)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def refresh_key(st, s):
     """Move a key to its owner's most recently used end, where the owner bounds its keys
     by recency (``O_LRU``)."""
@@ -210,7 +217,7 @@ def rehash(st):
             _insert_table(st, s, st[ST_SLOTS][s, S_OWNER], st[ST_SLOTS][s, S_KEY:], 0, st[ST_SLOTS][s, S_KLEN])
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _same_entry(st, e, cand, c0, n):
     if st[ST_ENTRIES][e, E_LEN] != n:
         return False
@@ -220,7 +227,7 @@ def _same_entry(st, e, cand, c0, n):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _file_under(st, s, tag, cand, c0, n, origin):
     """File a candidate under slot ``s``, tagged ``tag``: refresh it if held (its origin
     and tag the new ones), else add it (evicting the least recently used candidate where
@@ -254,7 +261,7 @@ def _file_under(st, s, tag, cand, c0, n, origin):
     st[ST_STAMPS][e] = counters[CNT_STAMP]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def file_candidate(st, owner, tag, ctx, k0, k1, cand, c0, c1, origin):
     """File ``cand[c0:c1]``, tagged ``tag``, under every suffix of ``ctx[k0:k1]`` of the
     arena's key lengths (the Python pool's ``add``). A bounded owner past its
@@ -310,7 +317,7 @@ def before_on_tie(own, stamp, best_own, best_stamp):
     return (own and not best_own) or (own == best_own and stamp > best_stamp)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _newest(st, s, me):
     """The most recently used of slot ``s``'s candidates the request tagged ``me`` filed,
     else of all of them (``me`` < 0: all are its own)."""
@@ -338,7 +345,7 @@ def by_recency(st, s, out):
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _votes(st, s, me, firsts, counts, num):
     """Count the first tokens of slot ``s``'s candidates, each its :func:`_weight`, into
     (firsts, counts)[:num]; returns the new ``num``."""
@@ -357,7 +364,7 @@ def _votes(st, s, me, firsts, counts, num):
     return num
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _count_of(firsts, counts, num, token):
     for k in range(num):
         if firsts[k] == token:
@@ -365,7 +372,7 @@ def _count_of(firsts, counts, num, token):
     return 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _most_voted(st, s, me, firsts, counts, num):
     """Slot ``s``'s candidate whose first token has the most votes in (firsts, counts)[:num];
     among equals one the request tagged ``me`` filed, then the most recently used (stamps
@@ -382,7 +389,7 @@ def _most_voted(st, s, me, firsts, counts, num):
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def match_pool(st, owner, me, ctx, k0, k1, guess, scratch):
     """The Python pool's ``match`` in ``owner`` for the request tagged ``me`` (< 0: the
     pool is the request's alone): returns (entry, key length, whether the request filed

@@ -30,7 +30,7 @@ from vllm_fafo.drafting.pool_kernels import (
 )
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def feed_text(pos, store, start, old_len, new_len, key_len, own, answers, text_id, place):
     """File the keys of ``store[start:start+new_len]`` that got their following token
     when the text grew from ``old_len`` to ``new_len`` tokens: each key's end under ``own``
@@ -63,7 +63,7 @@ def forget_answer(pos, store, start, answer_start, length, key_len, answers, tex
             e = nxt
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _depth(store, start, end, context, n_ctx):
     """Tokens back from ``store[start + end]`` equal to the context's end, at most ``n_ctx``."""
     depth = 0
@@ -72,7 +72,7 @@ def _depth(store, start, end, context, n_ctx):
     return depth
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _deepest_place(pos, s, store, t_start, context, n_ctx, own_text, answers_key, best):
     """``best`` (text, end, depth, stamp, the own text's) after the places under slot ``s``
     (-1: none): answers' (text id, end) where ``answers_key``, other texts than
@@ -92,7 +92,7 @@ def _deepest_place(pos, s, store, t_start, context, n_ctx, own_text, answers_key
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def deep_match(pos, store, t_start, t_len, context, n_ctx, key_len, own, answers, own_text):
     """The deepest match of ``context[:n_ctx]``'s end at least ``key_len`` deep: in the
     kept answers (places under ``answers``, other texts than ``own_text``) and in the

@@ -140,7 +140,7 @@ def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[
 
 
 def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict_mib: int = 0,
-                  clock: Callable[[], float] = time.perf_counter) -> dict:
+                  timer: Callable[[], float] = time.perf_counter) -> dict:
     """:func:`measure` for vLLM's ``ngram`` proposer (the matrix's settings) over the same
     texts: its ``propose`` per step, and its tau."""
     from matrix import NGRAM_SPEC
@@ -166,9 +166,9 @@ def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict
         sampled = accepted_tokens(rows, num_tokens, drafts)
         decoded += int(num_tokens.sum()) - before
         evict()
-        start = clock()
+        start = timer()
         drafts = proposer.propose(k, sampled, num_tokens, rows)
-        elapsed += clock() - start
+        elapsed += timer() - start
     return {"us_per_step": elapsed / steps * 1e6, "tau": decoded / (steps * batch)}
 
 
@@ -176,12 +176,12 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
             gc_pauses: bool = False, evict_mib: int = 0, settings: dict | None = None,
-            clock: Callable[[], float] = time.perf_counter) -> dict:
+            timer: Callable[[], float] = time.perf_counter) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too; with ``evict_mib``,
     that many MiB written before each step (untimed), as a forward leaves the caches;
-    ``settings``: more of FAFO's keys (``--set``); ``clock``: what the steps are timed by."""
+    ``settings``: more of FAFO's keys (``--set``); ``timer``: what the steps are timed by."""
     config = FafoConfig(**{"num_lanes": 0, "controller": controller, "num_speculative_tokens": num_speculative_tokens,
                            "pad_drafts": pad_drafts, "prior_table": "off", **(settings or {})})
     rng = np.random.default_rng(seed)
@@ -211,12 +211,12 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
         decoded += int(num_tokens.sum()) - before
         spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
         evict()
-        start = clock()
+        start = timer()
         proposer.begin_step((), batch + sum(map(len, drafts)), spec, {})
         proposer.finish_forward(req_ids, None)
         clock.now += step_seconds(cost_ms, sum(map(len, drafts)), batch)
         drafts = proposer.propose(sampled, num_tokens, rows)
-        step = clock() - start
+        step = timer() - start
         elapsed += step
         slowest = max(slowest, step)
     result = {
@@ -304,7 +304,7 @@ def main() -> None:
         print("settings: " + ", ".join(f"{key}={json.dumps(value)}" for key, value in settings.items()))
     options = {"cost_ms": cost_ms, "num_speculative_tokens": args.num_speculative_tokens,
                "pad_drafts": args.pad_drafts, "settings": settings,
-               "clock": time.thread_time if args.thread_time else time.perf_counter}
+               "timer": time.thread_time if args.thread_time else time.perf_counter}
     measure(1, 128, 100, args.controller, **options)  # the process's first steps run slower
     if args.ngram:
         measure_ngram(1, 128, 100)  # its first steps too
@@ -321,7 +321,7 @@ def main() -> None:
                         if args.gc_pauses else "")
             ngram_cells = ""
             if args.ngram:
-                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib, clock=options["clock"])
+                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib, timer=options["timer"])
                 ngram_cells = (f" {ngram['us_per_step']:.1f} | {ngram['tau']:.2f} "
                                f"| {result['us_per_step'] / ngram['us_per_step']:.2f} |")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "

@@ -119,6 +119,18 @@ def test_proposer_step_cost_times_steps_on_its_modelled_machine(monkeypatch):
     assert script.measure(4, 256, 60, "goodput", cost_ms=(52.0, 3.3, 3.3), evict_mib=1)["tau"] == runs[0]["tau"]
 
 
+def test_proposer_step_cost_times_steps_by_its_timer_not_the_modelled_clock(monkeypatch):
+    """The host time is read off the timer asked for (``--thread-time``, else the wall
+    clock), never off the modelled machine's clock the controller learns from: a timer
+    that moves one second per reading gives one second per step, for FAFO and ngram."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = benchmark_script("proposer_step_cost")
+    ticks = iter(range(10**6))
+    timer = lambda: float(next(ticks))
+    assert script.measure(2, 128, 20, "goodput", timer=timer)["us_per_step"] == 1e6
+    assert script.measure_ngram(2, 128, 20, timer=timer)["us_per_step"] == 1e6
+
+
 def test_proposer_step_cost_sets_fafos_keys_and_refuses_unknown_ones(monkeypatch):
     """``--set KEY=JSON`` reaches the proposer's config (here: no deep matches, so other
     drafts are accepted); an unknown key or a value that is not JSON is refused, naming it."""

@@ -24,7 +24,7 @@ The kernels a step calls per key or candidate (the filing, the lookup, their
 helpers) are inlined into their callers (``inline="always"``): a call that passes
 the arena's seven arrays cost as much as the work it did (re-filing a 3-token
 anchor in a warm arena took 490 ns per anchor through calls, 240 inlined; the
-step's filing and drafting 7-25 % less at batch 8-128, docs/results/host-time.md),
+step kernel about 20 % faster at batch 8 and 32, docs/results/host-time.md),
 at the price of about 20 s more compiling on a machine's first engine start.
 """
 

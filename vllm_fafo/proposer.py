@@ -503,15 +503,19 @@ class FafoProposer:
             )
         self.metrics.propose_calls += 1
         table, requests, spec_tokens, wins = self._table, self._requests, step.scheduled_spec_tokens, step.branch_wins
-        rows = [row for row, sampled in enumerate(sampled_token_ids) if sampled]  # prefill chunks sample nothing
+        taken = list(map(len, sampled_token_ids))
+        rows = [row for row, num_sampled in enumerate(taken) if num_sampled]  # prefill chunks sample nothing
         count = len(rows)
-        decoding_ids = [req_ids[row] for row in rows]
+        whole = count == len(taken)  # every row decodes (the usual step): rows are 0..count-1
+        decoding_ids = req_ids[:count] if whole else [req_ids[row] for row in rows]
+        if not whole:
+            taken = [taken[row] for row in rows]
         states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
                                                               token_ids_cpu)
                   for req_id, row in zip(decoding_ids, rows)]
         # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
         # accepted, or a branch's win (RequestTable.settle); the kernel writes the last two rows.
-        numbers = np.array([[state.slot for state in states], rows, [len(sampled_token_ids[row]) for row in rows],
+        numbers = np.array([[state.slot for state in states], rows, taken,
                             [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids], rows, rows],
                            dtype=np.int64).reshape(6, count)
         if wins:
@@ -539,9 +543,14 @@ class FafoProposer:
             table.keep(slots, found.origins, found.lengths, self.metrics)
         elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole in the kernel
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, tokens, length in zip(rows, found.tokens.tolist(), found.lengths.tolist()):
-            drafts[row] = tokens[:length]  # cut, or padded (pad_drafts)
+        # cut, or padded (pad_drafts); the buffer's columns past the longest are never read
+        draft_lens = lengths.tolist()
+        found_drafts = [tokens[:length] for tokens, length in
+                        zip(found.tokens[:, : max(draft_lens, default=0)].tolist(), draft_lens)]
+        drafts: list[list[int]] = found_drafts if whole else [[] for _ in sampled_token_ids]
+        if not whole:
+            for row, draft in zip(rows, found_drafts):
+                drafts[row] = draft
         if self.tree_enabled:
             for i, (row, state) in enumerate(zip(rows, states)):
                 if req_ids[row] in step.tree_eligible:

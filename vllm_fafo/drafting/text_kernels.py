@@ -9,6 +9,8 @@ kernels): under the request's own owner the positions in its own text
 (candidates of one token), under its tenant's answers owner the places
 (text id, position) in every answer kept; each key keeps the latest
 ``MAX_POSITIONS``, the oldest evicted first (recency is filing order).
+The feeding and the match are inlined into the step's kernel, as the pool's
+per-key kernels are (:mod:`vllm_fafo.drafting.pool_kernels`).
 """
 
 from __future__ import annotations

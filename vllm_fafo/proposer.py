@@ -507,8 +507,10 @@ class FafoProposer:
         rows = [row for row, num_sampled in enumerate(taken) if num_sampled]  # prefill chunks sample nothing
         count = len(rows)
         whole = count == len(taken)  # every row decodes (the usual step): rows are 0..count-1
-        decoding_ids = req_ids[:count] if whole else [req_ids[row] for row in rows]
-        if not whole:
+        if whole:
+            decoding_ids = req_ids[:count]
+        else:
+            decoding_ids = [req_ids[row] for row in rows]
             taken = [taken[row] for row in rows]
         states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
                                                               token_ids_cpu)
@@ -547,8 +549,9 @@ class FafoProposer:
         draft_lens = lengths.tolist()
         found_drafts = [tokens[:length] for tokens, length in
                         zip(found.tokens[:, : max(draft_lens, default=0)].tolist(), draft_lens)]
-        drafts: list[list[int]] = found_drafts if whole else [[] for _ in sampled_token_ids]
+        drafts: list[list[int]] = found_drafts
         if not whole:
+            drafts = [[] for _ in sampled_token_ids]
             for row, draft in zip(rows, found_drafts):
                 drafts[row] = draft
         if self.tree_enabled:

@@ -74,7 +74,8 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     repeat themselves, each step's sampled tokens the text's next ones (the draft's
     matching prefix and one more): the proposer with the one kernel call and one making
     the separate calls give the same drafts every step, and end with the same request
-    table, judge queue, metrics, draft yields and cost curve."""
+    table, judge queue, metrics, draft yields and cost curve; the arrays the kernel is
+    handed without gathering them each step are, every step, the ones its owners hold."""
     settings = {"controller": "goodput", "num_speculative_tokens": 6, **settings}
     fused = make_proposer(max_model_len=512, **settings)
     separate = make_proposer(max_model_len=512, **settings)
@@ -114,6 +115,9 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
             results.append(proposer.propose(sampled, num_tokens[rows], history[rows]))
         assert results[0] == results[1], f"step {step}"
         step_arrays.append(fused._held)
+        # the arrays the kernel is handed without gathering them are the owners' own
+        owners_now = fused.step_parts(*fused._held_parts[-3:])
+        assert all(held is now for held, now in zip(fused._held_parts, owners_now)), f"step {step}"
         drafts = results[0]
         drafted += sum(map(len, drafts))
         scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
@@ -146,3 +150,46 @@ def test_same_or_new_keeps_the_held_tuple_only_while_it_holds_the_same_objects()
     assert same_or_new(held, (array.copy(), 5, True)) is not held
     assert same_or_new(held, (array, 6, True)) is not held
     assert same_or_new(None, held) is held
+
+
+@pytest.mark.parametrize("settings", [{"deep_match": True, "share_pool": True}, {"share_pool": False}],
+                         ids=["deep-match-shared", "own-pools"])
+@pytest.mark.parametrize("arrivals", [{0: range(70)}, {0: range(20), 3: range(20, 30)}],
+                         ids=["past-the-table", "into-the-room-left"])
+def test_the_held_step_arrays_follow_requests_that_grow_the_owners(settings, arrivals):
+    """The proposer hands the step's kernel the arrays it held last step unless an owner may
+    have grown. Requests join with long prompts (70 at once: past the request table's 64
+    slots; or 20, then 10 more after the first 10 left: the batch fits the outputs, the
+    prompts fill the texts' store and places) into pools with room to spare (no step's
+    kernel finds them short and runs again), then decode on: every step the arrays held are
+    the ones the owners hold."""
+    proposer = make_proposer(max_model_len=1024, controller="goodput", num_speculative_tokens=4, **settings)
+    proposer.index.arena.reserve(1 << 17, 8)  # the pools never lack room: no step's kernel runs twice for it
+    rng = np.random.default_rng(5)
+    history = np.stack([repetitive_text(1024, rng) for _ in range(70)])
+    num_tokens = np.full(70, 600, dtype=np.int32)
+    running: list[int] = []
+    drafts: dict[int, list[int]] = {}
+    for step in range(6):
+        joining = list(arrivals.get(step, ()))
+        leaving = list(range(10)) if step == 2 else []
+        running = [row for row in running if row not in leaving] + joining
+        sampled = []
+        for row in running:
+            draft = drafts.get(row, [])
+            truth = history[row, num_tokens[row] : num_tokens[row] + len(draft) + 1].tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            sampled.append(truth[: accepted + 1])
+            num_tokens[row] += accepted + 1
+        req_ids = [f"r{row}" for row in running]
+        scheduled = {f"r{row}": drafts[row] for row in running if drafts.get(row)}
+        proposer.begin_step([f"r{row}" for row in leaving], len(running) + sum(map(len, scheduled.values())),
+                            scheduled, {f"r{row}": None for row in joining})
+        proposer.finish_forward(req_ids, None)
+        found = proposer.propose(sampled, num_tokens[running], history[running])
+        drafts = dict(zip(running, found))
+        owners_now = proposer.step_parts(*proposer._held_parts[-3:])
+        assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
+    assert sum(map(len, drafts.values())) > 0

@@ -220,6 +220,8 @@ class FafoProposer:
         benchmarks/proposer_step_cost.py swaps in a modelled machine so that the
         controller's choices, and so the host time measured, repeat run to run."""
         self._last_log = time.monotonic()
+        self._next_report = float("-inf")
+        """When the metrics' publishing or the controller's log line is next due (monotonic seconds)."""
         self.publisher = SnapshotPublisher.for_worker(vllm_config)
         self._step_time = RankZeroStepTime.for_worker()
         self._requests: dict[str, RequestState] = {}
@@ -248,7 +250,14 @@ class FafoProposer:
         """The tenants' pools (or the requests'), the deep matches' texts and the tables drafted
         from where they miss: filed and drafted once per step for the whole batch."""
         self._held_parts: tuple | None = None
+        self._held_object: StepArrays | None = None
         self._held: StepArrays | None = None
+        """The step kernel's arrays while no owner may have grown (None: gather them again)."""
+        self._held_by: tuple | None = None
+        self._held_choice: tuple | None = None
+        """The controller's cost and choice tuples :attr:`_held` was made with."""
+        self._numbers = np.zeros(6 * 64, dtype=np.int64)
+        self._row_numbers = np.arange(64, dtype=np.int64)
         self._load_step_kernel()
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
@@ -285,11 +294,13 @@ class FafoProposer:
     ) -> None:
         """1. vLLM applied the scheduler output: free finished or aborted requests; note
         the tenant (``cache_salt``) of each new one."""
-        had_requests = bool(self._requests)
-        self.remove_requests(finished_req_ids)
-        if self.publisher is not None and had_requests and not self._requests:
-            self.publisher.publish(self.metrics_snapshot())  # going idle: no periodic publish follows
-        self._tenants.update(new_request_tenants)
+        if finished_req_ids:
+            had_requests = bool(self._requests)
+            self.remove_requests(finished_req_ids)
+            if self.publisher is not None and had_requests and not self._requests:
+                self.publisher.publish(self.metrics_snapshot())  # going idle: no periodic publish follows
+        if new_request_tenants:
+            self._tenants.update(new_request_tenants)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens, self.clock())
 
     def plan_forward(self, batch: BatchView) -> int:
@@ -427,6 +438,7 @@ class FafoProposer:
             targets += [self._requests[req_id].pool] * len(ngrams)
             filed += ngrams
         file_each_in(targets, filed, Origin.LANE)
+        self._held = None  # the pools' arena may have grown
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
@@ -444,6 +456,8 @@ class FafoProposer:
             freed.append(slot)
             self.metrics.requests_freed += 1
         self.judge.forget(freed)  # before the slots are given to new requests
+        if req_ids:
+            self._held = None  # the texts kept for deep matches may have been moved or freed
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 
@@ -479,6 +493,7 @@ class FafoProposer:
         """Empty every tenant's pool (and the answers kept for deep matches), so a benchmark's runs
         do not learn each other's answers."""
         self.index.forget_shared()
+        self._held = None
 
     # vLLM's custom proposer contract ----------------------------------------------
     def load_model(self, model, *args, **kwargs) -> None:
@@ -502,24 +517,29 @@ class FafoProposer:
                 "the vllm_fafo runner patches are not applied in this process"
             )
         self.metrics.propose_calls += 1
-        table, requests, spec_tokens, wins = self._table, self._requests, step.scheduled_spec_tokens, step.branch_wins
+        table, spec_tokens, wins = self._table, step.scheduled_spec_tokens, step.branch_wins
         taken = list(map(len, sampled_token_ids))
-        rows = [row for row, num_sampled in enumerate(taken) if num_sampled]  # prefill chunks sample nothing
-        count = len(rows)
-        whole = count == len(taken)  # every row decodes (the usual step): rows are 0..count-1
+        whole = 0 not in taken  # every row decodes (the usual step): rows are 0..count-1
         if whole:
-            decoding_ids = req_ids[:count]
-        else:
+            rows = None
+            decoding_ids = req_ids[: len(taken)]
+        else:  # prefill chunks sample nothing
+            rows = [row for row, num_sampled in enumerate(taken) if num_sampled]
             decoding_ids = [req_ids[row] for row in rows]
             taken = [taken[row] for row in rows]
-        states = [requests.get(req_id) or self._start_request(req_id, row, num_tokens_no_spec, sampled_token_ids,
-                                                              token_ids_cpu)
-                  for req_id, row in zip(decoding_ids, rows)]
+        count = len(taken)
+        slot_of = table.slot_of
+        slots = [slot_of.get(req_id, -1) for req_id in decoding_ids]
+        if -1 in slots:  # requests decoding for the first time
+            slots = [slot if slot >= 0 else self._start_request(req_id, i if whole else rows[i], num_tokens_no_spec,
+                                                                sampled_token_ids, token_ids_cpu).slot
+                     for i, (slot, req_id) in enumerate(zip(slots, decoding_ids))]
         # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
         # accepted, or a branch's win (RequestTable.settle); the kernel writes the last two rows.
-        numbers = np.array([[state.slot for state in states], rows, taken,
-                            [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids], rows, rows],
-                           dtype=np.int64).reshape(6, count)
+        numbers = self._batch_numbers(count)
+        numbers[0], numbers[2] = slots, taken
+        numbers[1] = self._row_numbers[:count] if whole else rows
+        numbers[3] = [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids]
         if wins:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:
@@ -534,7 +554,9 @@ class FafoProposer:
         found = self.index.drafts(count)
         self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, step.lane_tokens,
                                     lane_accepted, accepted - lane_accepted, count)
-        self._publish_and_log()
+        now = time.monotonic()
+        if now >= self._next_report:
+            self._publish_and_log(now)
         lengths = found.lengths
         if mode == LENGTHS_LATER:  # every request the same tokens, one tier for the batch: a uniform decode batch
             tier = self.controller.choose_tier(step_tokens, found.key_lens, found.lengths, self.draft_tiers)
@@ -555,7 +577,8 @@ class FafoProposer:
             for row, draft in zip(rows, found_drafts):
                 drafts[row] = draft
         if self.tree_enabled:
-            for i, (row, state) in enumerate(zip(rows, states)):
+            states = [self._requests[req_id] for req_id in decoding_ids]
+            for i, (row, state) in enumerate(zip(decoding.tolist(), states)):
                 if req_ids[row] in step.tree_eligible:
                     state.branches = grow_branches(
                         state.pool, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
@@ -581,12 +604,15 @@ class FafoProposer:
             not self.config.pad_drafts)
         room = self.controller.draft_room()
         for _ in range(5):  # each shortage is made good once
+            held = self._held
+            if held is None or self._held_by is not cost or self._held_choice is not choice:
+                held = self._hold_step_arrays(learning, cost, choice)
             (status, num_keys, cost_points, queued, longest, total, accepted,
              lane_accepted) = propose_kernel.propose_step(
-                numbers, num_tokens_no_spec, token_ids, self._step_arrays(learning, cost, choice), room,
-                len(self.judge), trials, *numbers_of_step)
+                numbers, num_tokens_no_spec, token_ids, held, room, len(self.judge), trials, *numbers_of_step)
             if status == propose_kernel.ROOM_OK:
                 break
+            self._held = None  # what lacked room grows
             if status == propose_kernel.ROOM_JUDGE:
                 self.judge.make_room(count, int(slots.max(initial=0)))
             else:  # the kernel wrote the text lengths (numbers[4]) before it found the index short
@@ -597,15 +623,31 @@ class FafoProposer:
         self.judge.finish_step(queued)
         return numbers_of_step[0], longest, total, cost_points, accepted, lane_accepted
 
-    def _step_arrays(self, learning: tuple, cost: tuple, choice: tuple) -> StepArrays:
-        """The owners' arrays for the step's kernel, with the controller's: the last step's
-        object while none of them grew and the controller prices by the same curves
-        (:mod:`vllm_fafo.step_arrays`)."""
-        parts = (*self._table.kernel_arguments(self.metrics), *self.index.kernel_arguments(self.max_model_len),
-                 self.judge.kernel_arguments(), learning, cost, choice)
+    def step_parts(self, learning: tuple, cost: tuple, choice: tuple) -> tuple:
+        """The owners' arrays for the step's kernel, with the controller's ``learning``,
+        ``cost`` and ``choice`` (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""
+        return (*self._table.kernel_arguments(self.metrics), *self.index.kernel_arguments(self.max_model_len),
+                self.judge.kernel_arguments(), learning, cost, choice)
+
+    def _hold_step_arrays(self, learning: tuple, cost: tuple, choice: tuple) -> StepArrays:
+        """The step kernel's :class:`StepArrays`, held until an owner may have grown (a request
+        started, the kernel found room short, the lanes filed) or the controller prices the
+        step by other curves: gathering and comparing the owners' arrays every step cost
+        more than the kernel's work at batch 1 in an engine (docs/results/host-time.md). The
+        last step's object where nothing it holds changed."""
+        parts = self.step_parts(learning, cost, choice)
         if same_or_new(self._held_parts, parts) is not self._held_parts:
-            self._held_parts, self._held = parts, StepArrays(*parts)
+            self._held_parts, self._held_object = parts, StepArrays(*parts)
+        self._held, self._held_by, self._held_choice = self._held_object, cost, choice
         return self._held
+
+    def _batch_numbers(self, count: int) -> np.ndarray:
+        """A (6, ``count``) int64 buffer for the step's batch (:func:`~vllm_fafo.propose_kernel.propose_step`'s
+        ``batch``), reused step to step."""
+        if 6 * count > len(self._numbers):
+            self._numbers = np.zeros(12 * count, dtype=np.int64)
+            self._row_numbers = np.arange(2 * count, dtype=np.int64)
+        return self._numbers[: 6 * count].reshape(6, count)
 
     def _load_step_kernel(self) -> None:
         """Run the step's kernel once on an empty batch of the step's types (vLLM's token rows
@@ -681,9 +723,9 @@ class FafoProposer:
         seconds = self.clock() - step.started
         return seconds if self._step_time is None else self._step_time.share(seconds)
 
-    def _publish_and_log(self) -> None:
-        """Publish the metrics to the API server and log the controller's state, when due."""
-        now = time.monotonic()
+    def _publish_and_log(self, now: float) -> None:
+        """Publish the metrics to the API server and log the controller's state, when due
+        (:attr:`_next_report`: the earliest either is due next)."""
         if self.publisher is not None and self.publisher.is_due(now):
             self.publisher.publish(self.metrics_snapshot(), now)
         if now - self._last_log >= LOG_INTERVAL_S:
@@ -700,6 +742,9 @@ class FafoProposer:
                 f", lane yield {summary['lane_yield']:.4f} accepted per lane token, "
                 f"{summary['tokens_per_request']:.2f} tokens per request-step without lanes",
             )
+        self._next_report = self._last_log + LOG_INTERVAL_S
+        if self.publisher is not None:
+            self._next_report = min(self._next_report, self.publisher.next_due())
 
     # Internals -----------------------------------------------------------------------
     def _start_request(self, req_id: str, row: int, num_tokens_no_spec: np.ndarray,
@@ -722,4 +767,5 @@ class FafoProposer:
                                first_anchor(self.config, prompt_len))
         state = self._requests[req_id] = RequestState(target, slot)
         self.metrics.requests_started += 1
+        self._held = None  # the table and the index may have grown
         return state

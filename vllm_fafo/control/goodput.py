@@ -59,7 +59,6 @@ import numpy as np
 
 from vllm_fafo.control import kernels
 from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED
-from vllm_fafo.step_arrays import same_or_new
 
 CONTROLLERS = ("goodput", "fixed")
 
@@ -761,9 +760,12 @@ class GoodputController:
             self._lengths = np.zeros(2 * requests, dtype=np.int64)
         yields = self.yields
         reach_overall, reach_by_row, _ = yields.reach_arrays()  # the kernel refreshes them where it chooses
-        self._choice = same_or_new(self._choice, (reach_overall, reach_by_row, self._worth_share, plain.fitted,
-                                                  plain is observed, lane_curve.fitted,
-                                                  lanes_on and lane_curve is observed, self._lengths))
+        plain_observed, lanes_observed = plain is observed, lanes_on and lane_curve is observed
+        choice = self._choice  # the same tuple while the step is priced by the same curves
+        if (choice is None or choice[3] is not plain.fitted or choice[4] is not plain_observed
+                or choice[6] is not lanes_observed or choice[7] is not self._lengths):
+            self._choice = (reach_overall, reach_by_row, self._worth_share, plain.fitted, plain_observed,
+                            lane_curve.fitted, lanes_observed, self._lengths)
         return yields.learning_arguments(), observed.kernel_arrays(), self._choice, (
             mode, tokens >= 1, float(tokens), float(seconds), plain.num_points,
             lane_curve.num_points if lanes_on else 0, step_tokens)

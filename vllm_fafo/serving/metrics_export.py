@@ -117,6 +117,10 @@ class SnapshotPublisher:
     def is_due(self, now: float) -> bool:
         return now - self._last >= self.interval_s
 
+    def next_due(self) -> float:
+        """When the next snapshot is due (monotonic seconds)."""
+        return self._last + self.interval_s
+
     def publish(self, snapshot: dict[str, Any], now: float | None = None) -> None:
         """Replace the snapshot atomically; nothing when no front process made the
         directory (offline ``LLM``) or it was removed (the server is shutting down)."""

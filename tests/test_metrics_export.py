@@ -43,16 +43,17 @@ def test_publisher_writes_only_into_a_directory_the_front_made(tmp_path):
     directory = tmp_path / "engine0"
     publisher = SnapshotPublisher(directory, interval_s=1.0)
     assert publisher.is_due(0.0)
-    publisher.publish(_snapshot(), now=0.0)
-    assert not directory.exists()  # offline LLM: nobody reads, nothing written
+    made = []
+    publisher.publish(lambda: made.append(1) or _snapshot(), now=0.0)
+    assert not directory.exists() and not made  # offline LLM: nobody reads, nothing made or written
     directory.mkdir()
     assert not publisher.is_due(0.5) and publisher.is_due(1.0)
-    publisher.publish(_snapshot(propose_calls=7), now=1.0)
+    publisher.publish(lambda: _snapshot(propose_calls=7), now=1.0)
     assert [p.name for p in directory.iterdir()] == [SNAPSHOT_FILE]
 
 
 def test_collector_exports_the_snapshot_with_vllm_labels(tmp_path):
-    SnapshotPublisher(tmp_path).publish(_snapshot(propose_calls=7, tail_tokens=95))
+    SnapshotPublisher(tmp_path).publish(lambda: _snapshot(propose_calls=7, tail_tokens=95))
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(tmp_path / SNAPSHOT_FILE, "smollm2", 0))
     value = registry.get_sample_value
@@ -78,7 +79,7 @@ def test_collector_is_empty_before_the_first_snapshot(tmp_path):
 
 def test_goodput_controller_curve_is_exported(tmp_path):
     proposer = make_proposer(controller="goodput")
-    SnapshotPublisher(tmp_path).publish(proposer.metrics_snapshot())
+    SnapshotPublisher(tmp_path).publish(proposer.metrics_snapshot)
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(tmp_path / SNAPSHOT_FILE, "m", 1))
     labels = {"model_name": "m", "engine": "1", "controller": "goodput"}

@@ -298,7 +298,7 @@ class FafoProposer:
             had_requests = bool(self._requests)
             self.remove_requests(finished_req_ids)
             if self.publisher is not None and had_requests and not self._requests:
-                self.publisher.publish(self.metrics_snapshot())  # going idle: no periodic publish follows
+                self.publisher.publish(self.metrics_snapshot)  # going idle: no periodic publish follows
         if new_request_tenants:
             self._tenants.update(new_request_tenants)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens, self.clock())
@@ -727,7 +727,7 @@ class FafoProposer:
         """Publish the metrics to the API server and log the controller's state, when due
         (:attr:`_next_report`: the earliest either is due next)."""
         if self.publisher is not None and self.publisher.is_due(now):
-            self.publisher.publish(self.metrics_snapshot(), now)
+            self.publisher.publish(self.metrics_snapshot, now)
         if now - self._last_log >= LOG_INTERVAL_S:
             self._last_log = now
             summary = self.controller.summary()

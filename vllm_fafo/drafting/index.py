@@ -92,6 +92,8 @@ class DraftIndex:
         self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, 1, False)
         """The kernel's deep-match arguments where there are none (the modes)."""
         self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
+        self._views: dict[int, BatchDrafts] = {}
+        """:meth:`drafts`' views of the outputs, by request count (emptied where the outputs grow)."""
         self._frozen_owner = -1 if frozen is None else frozen.owner
         self._arguments: tuple | None = None
 
@@ -167,9 +169,13 @@ class DraftIndex:
 
     def drafts(self, count: int) -> BatchDrafts:
         """The drafts the last kernel call made for its ``count`` requests (views of buffers
-        the next call reuses)."""
-        tokens, origins, lengths, key_lens, _ = self._outputs
-        return BatchDrafts(tokens[:count], origins[:count], lengths[:count], key_lens[:count])
+        the next call reuses; the same views while the buffers are)."""
+        views = self._views.get(count)
+        if views is None:
+            tokens, origins, lengths, key_lens, _ = self._outputs
+            views = self._views[count] = BatchDrafts(tokens[:count], origins[:count], lengths[:count],
+                                                     key_lens[:count])
+        return views
 
     def kernel_arguments(self, max_len: int) -> tuple[tuple, tuple]:
         """:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`'s arguments but the batch's
@@ -191,6 +197,7 @@ class DraftIndex:
             rooms = np.minimum(max_draft, max_len - num_tokens)
             self._outputs = self._new_outputs(max(len(num_tokens), 2 * len(self._outputs[2])),
                                               max(int(rooms.max(initial=0)), self._outputs[0].shape[1]))
+            self._views.clear()
         elif status == step_kernel.ROOM_POOLS:
             self.arena.reserve(int(num_keys), self.config.ngram_len)
         elif status == step_kernel.ROOM_TEXTS:

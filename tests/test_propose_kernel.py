@@ -1,7 +1,10 @@
 """The step's one kernel call (vllm_fafo.propose_kernel) against the kernels it runs, called one by one."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController
@@ -193,3 +196,47 @@ def test_the_held_step_arrays_follow_requests_that_grow_the_owners(settings, arr
         owners_now = proposer.step_parts(*proposer._held_parts[-3:])
         assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
     assert sum(map(len, drafts.values())) > 0
+
+
+class _LanesFilingNgrams:
+    """Stands in for the fumble lanes at the end of a forward: each request's lanes found
+    ``per_request`` random n-grams (what :meth:`FafoProposer.finish_forward` files)."""
+
+    def __init__(self, rng: np.random.Generator, per_request: int) -> None:
+        self.rng, self.per_request = rng, per_request
+
+    def start_lanes(self, req_id, prompt) -> None:
+        pass
+
+    def remove_requests(self, req_ids) -> None:
+        pass
+
+    def consume_tail(self, plan, hidden_states, compute_logits):
+        for req_id in plan.tails:
+            tokens = self.rng.integers(0, 5000, size=(self.per_request, 7)).tolist()
+            yield req_id, [(row[:3], tuple(row[3:])) for row in tokens]
+
+
+def test_the_held_step_arrays_follow_the_lanes_filing_into_the_pools():
+    """Lanes file their n-grams before the step's kernel runs; where that grows the pools'
+    arena, the arrays held for the kernel are made anew (every step they are the ones the
+    owners hold), and only then."""
+    proposer = make_proposer(max_model_len=512, controller="goodput", num_speculative_tokens=4)
+    rng = np.random.default_rng(7)
+    proposer.lanes = _LanesFilingNgrams(rng, per_request=400)
+    proposer._model = SimpleNamespace(compute_logits=None)
+    history = np.stack([repetitive_text(512, rng) for _ in range(2)])
+    num_tokens = np.array([100, 120], dtype=np.int32)
+    req_ids, made = ["a", "b"], set()
+    for step in range(8):
+        proposer.begin_step([], 2, {}, {req_id: None for req_id in req_ids} if step == 0 else {})
+        if step:
+            proposer.step.plan = SimpleNamespace(tails=req_ids, num_tail_tokens=0)
+        proposer.finish_forward(req_ids, torch.zeros(1))
+        sampled = [[int(history[row, num_tokens[row]])] for row in range(2)]
+        num_tokens += 1
+        proposer.propose(sampled, num_tokens, history)
+        owners_now = proposer.step_parts(*proposer._held_parts[-3:])
+        assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
+        made.add(id(proposer._held))
+    assert 1 < len(made) < 8  # the arena grew under the lanes' filing in some steps, not in every one

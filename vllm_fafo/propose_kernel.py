@@ -51,7 +51,8 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 @njit(cache=True)
 def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_count, branch_trials, mode, observe,
-                 tokens, seconds, plain_count, lane_count, step_tokens):
+                 observed_curve, tokens, seconds, plain_curve, plain_count, lane_count, step_tokens, plain_observed,
+                 lanes_observed):
     """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
     vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
     whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``,
@@ -63,8 +64,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
 
     1. file their new n-grams and draft (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`,
        ``index`` and ``outputs``: :meth:`DraftIndex.kernel_arguments`);
-    2. the controller's cost curve observes the step (``cost``,
-       :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arguments`);
+    2. the controller's cost curve ``observed_curve`` observes the step (of ``curves``: the plain
+       steps', the lane steps', the tree steps' :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`);
     3. settle what vLLM accepted of their last drafts (:func:`~vllm_fafo.request_table.settle_drafts`,
        ``table`` and ``counts``: :meth:`RequestTable.kernel_arguments`);
     4. judge the queued drafts their text now decides (:func:`~vllm_fafo.control.draft_judge.judge_drafts`,
@@ -72,8 +73,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
        teach the controller's draft yields those and the branches' trials
        (:func:`~vllm_fafo.control.kernels.observe_chains`);
     5. queue the drafts found, whole, for judging later;
-    6. cut them to the lengths the controller chooses (``choice``,
-       :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), or pad them
+    6. cut them to the lengths the controller chooses (``choice``, the step priced by curve
+       ``plain_curve`` and the lane steps', :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), or pad them
        (:func:`pad_found_drafts`), and keep them for settling next step
        (:func:`~vllm_fafo.request_table.keep_drafts`), as its mode
        (:data:`LENGTHS_CHOSEN` ...) says.
@@ -90,8 +91,10 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     judge_table, index_of_slot, judged = held.judge
     learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows = \
         held.learning
-    log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = held.cost
-    reach_overall, reach_by_row, worth_share, plain, plain_observed, lanes, lanes_observed, lengths = held.choice
+    curves = held.curves
+    log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = curves[observed_curve]
+    plain, lanes = curves[plain_curve][7], curves[1][7]
+    reach_overall, reach_by_row, worth_share, lengths = held.choice
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:

@@ -255,7 +255,7 @@ class FafoProposer:
         """The step kernel's arrays while no owner may have grown (None: gather them again)."""
         self._held_by: tuple | None = None
         self._held_choice: tuple | None = None
-        """The controller's cost and choice tuples :attr:`_held` was made with."""
+        """The controller's curves and choice tuples :attr:`_held` was made with."""
         self._numbers = np.zeros(6 * 64, dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
         self._load_step_kernel()
@@ -437,8 +437,10 @@ class FafoProposer:
         for req_id, ngrams in self.lanes.consume_tail(step.plan, hidden_states, self._model.compute_logits):
             targets += [self._requests[req_id].pool] * len(ngrams)
             filed += ngrams
+        arena = self.index.arena.state
         file_each_in(targets, filed, Origin.LANE)
-        self._held = None  # the pools' arena may have grown
+        if self.index.arena.state is not arena:  # the pools' arena grew
+            self._held = None
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
@@ -598,15 +600,15 @@ class FafoProposer:
         slots, count = numbers[0], numbers.shape[1]
         trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
                   else _NO_TRIALS)
-        learning, cost, choice, numbers_of_step = self.controller.kernel_arguments(
+        learning, curves, choice, numbers_of_step = self.controller.kernel_arguments(
             step.num_scheduled_tokens + step.tail_tokens, seconds, step.lane_tokens,
             0 if step.branches is None else step.branches.num_tokens, step_tokens, count,
             not self.config.pad_drafts)
         room = self.controller.draft_room()
         for _ in range(5):  # each shortage is made good once
             held = self._held
-            if held is None or self._held_by is not cost or self._held_choice is not choice:
-                held = self._hold_step_arrays(learning, cost, choice)
+            if held is None or self._held_by is not curves or self._held_choice is not choice:
+                held = self._hold_step_arrays(learning, curves, choice)
             (status, num_keys, cost_points, queued, longest, total, accepted,
              lane_accepted) = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, held, room, len(self.judge), trials, *numbers_of_step)
@@ -623,22 +625,22 @@ class FafoProposer:
         self.judge.finish_step(queued)
         return numbers_of_step[0], longest, total, cost_points, accepted, lane_accepted
 
-    def step_parts(self, learning: tuple, cost: tuple, choice: tuple) -> tuple:
+    def step_parts(self, learning: tuple, curves: tuple, choice: tuple) -> tuple:
         """The owners' arrays for the step's kernel, with the controller's ``learning``,
-        ``cost`` and ``choice`` (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""
+        ``curves`` and ``choice`` (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""
         return (*self._table.kernel_arguments(self.metrics), *self.index.kernel_arguments(self.max_model_len),
-                self.judge.kernel_arguments(), learning, cost, choice)
+                self.judge.kernel_arguments(), learning, curves, choice)
 
-    def _hold_step_arrays(self, learning: tuple, cost: tuple, choice: tuple) -> StepArrays:
+    def _hold_step_arrays(self, learning: tuple, curves: tuple, choice: tuple) -> StepArrays:
         """The step kernel's :class:`StepArrays`, held until an owner may have grown (a request
-        started, the kernel found room short, the lanes filed) or the controller prices the
-        step by other curves: gathering and comparing the owners' arrays every step cost
+        started, the kernel found room short, the lanes filed) or the controller's draft
+        lengths' scratch grew: gathering and comparing the owners' arrays every step cost
         more than the kernel's work at batch 1 in an engine (docs/results/host-time.md). The
         last step's object where nothing it holds changed."""
-        parts = self.step_parts(learning, cost, choice)
+        parts = self.step_parts(learning, curves, choice)
         if same_or_new(self._held_parts, parts) is not self._held_parts:
             self._held_parts, self._held_object = parts, StepArrays(*parts)
-        self._held, self._held_by, self._held_choice = self._held_object, cost, choice
+        self._held, self._held_by, self._held_choice = self._held_object, curves, choice
         return self._held
 
     def _batch_numbers(self, count: int) -> np.ndarray:

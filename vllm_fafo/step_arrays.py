@@ -7,10 +7,11 @@ owners built them, cost 61-83 us cold (2-core CPU), one taking the same tuples i
 one numba structref 32-40, and one taking the owners' tuples in a structref and the
 controller's three beside it as much as the tuples (docs/results/host-time.md).
 The request table's, the metrics', the draft index's, its outputs', the judge's
-and the controller's arrays change only where one of them grows (reallocates) or
-the controller prices a step by another cost curve, so :class:`StepArrays` holds
-them and the proposer makes a new one only then (:func:`same_or_new` tells); what
-changes every step (the batch, the controller's counts) is passed beside it as
+and the controller's arrays (its three cost curves, the step's picked by number)
+change only where one of them grows (reallocates), so :class:`StepArrays` holds
+them and the proposer makes a new one only where an owner may have grown
+(:func:`same_or_new` tells whether one did); what changes every step (the batch,
+the controller's counts and which curves price the step) is passed beside it as
 arrays and scalars.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from numba import njit, types
 from numba.experimental import structref
 
-FIELDS = ("table", "counts", "index", "outputs", "judge", "learning", "cost", "choice")
+FIELDS = ("table", "counts", "index", "outputs", "judge", "learning", "curves", "choice")
 """:class:`StepArrays`' fields: :meth:`RequestTable.kernel_arguments`' two tuples,
 :meth:`DraftIndex.kernel_arguments`' two, :meth:`DraftJudge.kernel_arguments`', and the
 controller's three (:meth:`GoodputController.kernel_arguments`)."""
@@ -36,17 +37,17 @@ class StepArrays(structref.StructRefProxy):
     It holds references: the arrays' contents change under it, their identity must not."""
 
     def __new__(cls, table: tuple, counts: tuple, index: tuple, outputs: tuple, judge: tuple, learning: tuple,
-                cost: tuple, choice: tuple) -> StepArrays:
-        return _new_step_arrays(table, counts, index, outputs, judge, learning, cost, choice)
+                curves: tuple, choice: tuple) -> StepArrays:
+        return _new_step_arrays(table, counts, index, outputs, judge, learning, curves, choice)
 
 
 structref.define_proxy(StepArrays, StepArraysType, list(FIELDS))
 
 
 @njit(cache=True)
-def _new_step_arrays(table, counts, index, outputs, judge, learning, cost, choice):
+def _new_step_arrays(table, counts, index, outputs, judge, learning, curves, choice):
     """numba's constructor, cached (``define_proxy``'s own compiles in every process: about 1 s)."""
-    return StepArrays(table, counts, index, outputs, judge, learning, cost, choice)
+    return StepArrays(table, counts, index, outputs, judge, learning, curves, choice)
 
 
 _SCALARS = (int, bool, float)

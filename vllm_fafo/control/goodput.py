@@ -450,8 +450,9 @@ class FixedController:
         self.last = Decision(0, max_draft)
         table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
         self._learning = (False, table, table, 1.0, index, table, table, 1.0, index)
-        self._cost = StepCostModel().kernel_arrays()  # never observed (the step's numbers say so)
-        self._choice = (np.zeros(1), table, table, table, False, table, False, index)
+        curve = StepCostModel().kernel_arrays()  # never observed (the step's numbers say so)
+        self._curves = (curve, curve, curve)
+        self._choice = (np.zeros(1), table, table, index)
 
     def draft_room(self) -> int:
         """Drafts are found whole: ``max_draft`` tokens at most."""
@@ -480,8 +481,8 @@ class FixedController:
         """Nothing learned, every draft as found, or (not ``choose``: ``pad_drafts``) padded
         to ``max_draft`` in the kernel (:meth:`GoodputController.kernel_arguments`' types, so
         that both controllers run one compiled kernel)."""
-        return self._learning, self._cost, self._choice, (
-            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0.0, 0.0, 0, 0, 0)
+        return self._learning, self._curves, self._choice, (
+            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0, 0.0, 0.0, 0, 0, 0, 0, False, False)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
                     lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
@@ -537,6 +538,8 @@ class GoodputController:
         """The cost curve the step's kernel observes (:meth:`kernel_arguments`; None: none)."""
         self._choice: tuple | None = None
         """:meth:`kernel_arguments`' choice tuple (the same object while its parts are)."""
+        self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
+        """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
 
     # Decisions -----------------------------------------------------------------------
     def draft_room(self) -> int:
@@ -739,16 +742,19 @@ class GoodputController:
 
     def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
                          requests: int, choose: bool) -> tuple[tuple, tuple, tuple, tuple]:
-        """The learning, the step cost and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`
+        """The learning, the cost curves and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`
         (:meth:`finish_step` after it), for a step of ``tokens`` tokens (``lane_tokens`` and
         ``tree_tokens`` of them in its tail) that took ``seconds``, and the ``requests`` drafts
         of the next, of ``step_tokens`` tokens without them: the cost curve of such steps
         observes it, the yields learn the judged drafts and the step's branch trials (:meth:`observe`);
         where ``choose``, the drafts are cut as :meth:`choose_draft_lens` would cut them (as
         found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts.
-        The first three tuples are the same objects while the step is priced by the same
-        curves (:mod:`vllm_fafo.step_arrays`); the last is the step's numbers (mode, observe,
-        tokens, seconds, the plain and the lane curves' points, ``step_tokens``)."""
+        The first three tuples are the same objects while the draft lengths' scratch is
+        (:mod:`vllm_fafo.step_arrays`): the three curves (plain, lane and tree steps') are in
+        them whole; the last tuple is the step's numbers (mode, observe, the curve observed,
+        tokens, seconds, the curve that prices plain steps, its points and the lane curve's,
+        ``step_tokens``, whether the step's observation moves the plain or the lane curve)."""
+        observed_curve = 2 if tree_tokens else 1 if lane_tokens else 0  # as _curve_of
         observed = self._curve_of(lane_tokens, tree_tokens)
         self._observed = observed if tokens >= 1 else None  # a step of no tokens teaches nothing
         plain, lane_curve = self._plain_cost(self._observed), self.lane_cost
@@ -756,19 +762,15 @@ class GoodputController:
         plain_has_data = plain.has_data or plain is self._observed
         mode = (LENGTHS_LATER if not choose else
                 LENGTHS_CHOSEN if requests and (lanes_on or plain_has_data) else LENGTHS_FOUND)
-        if len(self._lengths) < requests:
-            self._lengths = np.zeros(2 * requests, dtype=np.int64)
         yields = self.yields
         reach_overall, reach_by_row, _ = yields.reach_arrays()  # the kernel refreshes them where it chooses
-        plain_observed, lanes_observed = plain is observed, lanes_on and lane_curve is observed
-        choice = self._choice  # the same tuple while the step is priced by the same curves
-        if (choice is None or choice[3] is not plain.fitted or choice[4] is not plain_observed
-                or choice[6] is not lanes_observed or choice[7] is not self._lengths):
-            self._choice = (reach_overall, reach_by_row, self._worth_share, plain.fitted, plain_observed,
-                            lane_curve.fitted, lanes_observed, self._lengths)
-        return yields.learning_arguments(), observed.kernel_arrays(), self._choice, (
-            mode, tokens >= 1, float(tokens), float(seconds), plain.num_points,
-            lane_curve.num_points if lanes_on else 0, step_tokens)
+        if len(self._lengths) < requests or self._choice is None:
+            self._lengths = np.zeros(max(2 * requests, len(self._lengths)), dtype=np.int64)
+            self._choice = (reach_overall, reach_by_row, self._worth_share, self._lengths)
+        return yields.learning_arguments(), self._curves, self._choice, (
+            mode, tokens >= 1, observed_curve, float(tokens), float(seconds), 0 if plain is self.cost else 1,
+            plain.num_points, lane_curve.num_points if lanes_on else 0, step_tokens, plain is observed,
+            lanes_on and lane_curve is observed)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
                     lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:

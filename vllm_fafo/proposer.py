@@ -571,8 +571,10 @@ class FafoProposer:
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
         # cut, or padded (pad_drafts); the buffer's columns past the longest are never read
         draft_lens = lengths.tolist()
-        found_drafts = [tokens[:length] for tokens, length in
-                        zip(found.tokens[:, : max(draft_lens, default=0)].tolist(), draft_lens)]
+        longest = max(draft_lens, default=0)
+        found_drafts = found.tokens[:, :longest].tolist()
+        if min(draft_lens, default=0) < longest:  # not all as long (padded drafts are)
+            found_drafts = [tokens[:length] for tokens, length in zip(found_drafts, draft_lens)]
         drafts: list[list[int]] = found_drafts
         if not whole:
             drafts = [[] for _ in sampled_token_ids]

@@ -69,6 +69,20 @@ def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:
     return np.array(text[:length], dtype=np.int32)
 
 
+def sampled_tokens(history: np.ndarray, num_tokens: np.ndarray, rows: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Each request's sampled tokens, its text's (``history[rows[i]]``) next ones: its
+    draft's matching prefix plus one (greedy verification); advances ``num_tokens`` by them."""
+    sampled = []
+    for row, draft in zip(rows, drafts):
+        truth = history[row, num_tokens[row] : num_tokens[row] + len(draft) + 1].tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[accepted]:
+            accepted += 1
+        sampled.append(truth[: accepted + 1])
+        num_tokens[row] += accepted + 1
+    return sampled
+
+
 @pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"},
                                       {"controller": "fixed", "pad_drafts": True}],
                          ids=["goodput", "deep-match-shared", "fixed", "fixed-padded"])
@@ -99,14 +113,7 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
             keep = [i for i, req_id in enumerate(req_ids) if req_id not in finished]
             req_ids, drafts = [req_ids[i] for i in keep], [drafts[i] for i in keep]
         rows = [ord(req_id) - ord("a") for req_id in req_ids]
-        sampled = []
-        for row, draft in zip(rows, drafts):
-            truth = history[row, num_tokens[row] : num_tokens[row] + len(draft) + 1].tolist()
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == truth[accepted]:
-                accepted += 1
-            sampled.append(truth[: accepted + 1])
-            num_tokens[row] += accepted + 1
+        sampled = sampled_tokens(history, num_tokens, rows, drafts)
         seconds = 0.05 + 0.002 * sum(map(len, drafts))
         new = {req_id: None for req_id in req_ids if req_id not in states}
         states.update(new)
@@ -177,15 +184,7 @@ def test_the_held_step_arrays_follow_requests_that_grow_the_owners(settings, arr
         joining = list(arrivals.get(step, ()))
         leaving = list(range(10)) if step == 2 else []
         running = [row for row in running if row not in leaving] + joining
-        sampled = []
-        for row in running:
-            draft = drafts.get(row, [])
-            truth = history[row, num_tokens[row] : num_tokens[row] + len(draft) + 1].tolist()
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == truth[accepted]:
-                accepted += 1
-            sampled.append(truth[: accepted + 1])
-            num_tokens[row] += accepted + 1
+        sampled = sampled_tokens(history, num_tokens, running, [drafts.get(row, []) for row in running])
         req_ids = [f"r{row}" for row in running]
         scheduled = {f"r{row}": drafts[row] for row in running if drafts.get(row)}
         proposer.begin_step([f"r{row}" for row in leaving], len(running) + sum(map(len, scheduled.values())),

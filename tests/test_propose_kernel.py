@@ -205,10 +205,10 @@ class _LanesFilingNgrams:
         self.rng, self.per_request = rng, per_request
 
     def start_lanes(self, req_id, prompt) -> None:
-        pass
+        """No lane state to start: only the filing is stood in for."""
 
     def remove_requests(self, req_ids) -> None:
-        pass
+        """No lane state to free."""
 
     def consume_tail(self, plan, hidden_states, compute_logits):
         for req_id in plan.tails:

@@ -458,8 +458,6 @@ class FafoProposer:
             freed.append(slot)
             self.metrics.requests_freed += 1
         self.judge.forget(freed)  # before the slots are given to new requests
-        if req_ids:
-            self._held = None  # the texts kept for deep matches may have been moved or freed
         if self.lanes is not None:
             self.lanes.remove_requests(req_ids)
 

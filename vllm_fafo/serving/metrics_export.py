@@ -114,12 +114,12 @@ class SnapshotPublisher:
         engine_index = vllm_config.parallel_config.data_parallel_rank
         return cls(snapshot_dir(vllm_config.instance_id, engine_index))
 
-    def is_due(self, now: float) -> bool:
-        return now - self._last >= self.interval_s
-
     def next_due(self) -> float:
         """When the next snapshot is due (monotonic seconds)."""
         return self._last + self.interval_s
+
+    def is_due(self, now: float) -> bool:
+        return now >= self.next_due()
 
     def publish(self, make_snapshot: Callable[[], dict[str, Any]], now: float | None = None) -> None:
         """Replace the snapshot atomically; nothing, not even the snapshot made, when no

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
+from vllm_fafo.drafting import deep_match
 from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TenantTexts
 from vllm_fafo.drafting.index import DraftIndex, tenant_texts
 from vllm_fafo.drafting.pool import Origin, file_in
@@ -67,6 +68,38 @@ def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None
         assert found == expected, num_tokens
         drafted += bool(found[0])
     assert drafted > 50
+
+
+def test_the_own_texts_chains_draft_as_the_scan_while_texts_move_and_the_table_is_rebuilt(monkeypatch) -> None:
+    """Requests come and go, several at once, in a small vocabulary: every draft from the
+    own text (answers off) equals the scan's, while the texts outgrow their segments (their
+    chains move with them), the store is compacted and the chains' table, started tiny, is
+    rebuilt (stopped runs' cells dropped) again and again."""
+    monkeypatch.setattr(deep_match, "MIN_HEADS", 8)
+    rng = np.random.default_rng(7)
+    texts = TenantTexts(answer_bytes=0, max_tenants=4, key_len=KEY_LEN)
+    tables, stores = {id(texts.heads)}, {id(texts.store)}
+    running: dict[str, tuple[np.ndarray, int]] = {}
+    drafted = 0
+    for serial in range(60):
+        whole = rng.integers(0, 4, 600).astype(np.int32)
+        prompt_len = int(rng.integers(3, 40))
+        texts.start(f"r{serial}", None, whole[:prompt_len])
+        running[f"r{serial}"] = (whole, prompt_len)
+        for name, (whole, num_tokens) in list(running.items()):
+            num_tokens = min(len(whole), num_tokens + int(rng.integers(1, 30)))
+            found = texts.draft(name, whole, num_tokens, room=5)
+            expected = scan(whole[:num_tokens].tolist(), num_tokens, [], 5)
+            assert found == (expected if expected[1] >= KEY_LEN else ([], 0)), (name, num_tokens)
+            drafted += bool(found[0])
+            running[name] = (whole, num_tokens)
+            if num_tokens == len(whole) or rng.random() < 0.05:
+                texts.stop(name)
+                del running[name]
+        tables.add(id(texts.heads))
+        stores.add(id(texts.store))
+    assert drafted > 500 and len(tables) > 3 and len(stores) > 1, (drafted, len(tables), len(stores))
+    assert texts.heads_used[0] <= len(texts.heads) // 2
 
 
 def test_an_evicted_answer_leaves_no_key_behind() -> None:

@@ -6,8 +6,9 @@ chance from one that followed the same 20: both are "found under a 3-token
 key", and the goodput controller cuts both drafts alike. Deep matches look
 up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does:
 every ``key_len``-token key of a text is filed with the latest
-``MAX_POSITIONS`` places it ended, in the request's own text and in the
-answers (outputs) its tenant's requests gave, running and finished; a lookup
+``MAX_POSITIONS`` places it ended, in the request's own text (a hash chain)
+and in the answers (outputs) its tenant's requests gave, running and
+finished (a :class:`~vllm_fafo.drafting.pool.PoolArena`); a lookup
 compares the tokens before each place of the text's last ``key_len`` tokens
 with the text's end, up to ``MATCH_DEPTH`` back, and drafts the continuation
 of the deepest match (the request's own text on ties, then the latest), with
@@ -43,6 +44,9 @@ MAX_POSITIONS = 4
 ``pool_capacity``) drafted no better on MT-Bench, HumanEval and GSM8K (tau within 0.1 %,
 uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 (docs/results/host-time.md)."""
+assert text_kernels.MAX_POSITIONS == MAX_POSITIONS
+MIN_HEADS = 1 << 12
+"""Cells of the own texts' chains' table at first (it doubles as it fills)."""
 
 
 TOKEN_BYTES = 4
@@ -65,8 +69,8 @@ class _Tenant:
 class _Running:
     tenant: str | None
     text: int
-    own: int
-    """The owner id of the places in its own text."""
+    run: int
+    """Its own text's chain's id (never reused: a stopped run's cells are left behind)."""
 
 
 class TenantTexts:
@@ -86,10 +90,19 @@ class TenantTexts:
         self.max_tenants = max_tenants
         self.positions = PoolArena(key_len, MAX_POSITIONS, min_key_len=key_len, touch_on_lookup=False,
                                    rank="recency", candidate_len=2)
-        """Where each key ended: own texts' positions, answers' (text id, position)."""
+        """Where each key ended in the answers: (text id, position)."""
         self.place_bytes = self.positions.bytes_per_key(candidates=1)
         """Bytes an answer token's place takes where its key is new (an upper bound: keys repeat)."""
         self.store = np.zeros(1 << 14, dtype=np.int32)
+        self.prev = np.full(len(self.store), -1, dtype=np.int32)
+        """Beside each token of a running request's own text that ends a key: where the
+        key ended before in that text (-1: nowhere), the own texts' chains."""
+        self.heads = np.zeros(MIN_HEADS, dtype=np.int64)
+        """The own texts' chains' heads: open addressing on (run id, key), a cell holding
+        the run id and the key's latest end (:func:`~vllm_fafo.drafting.text_kernels.file_own`)."""
+        self.heads_used = np.zeros(1, dtype=np.int64)
+        """Cells of :attr:`heads` filled (stopped runs' included, until a rebuild)."""
+        self._next_run = 1
         self._store_end = 0
         self.starts = np.zeros(64, dtype=np.int64)
         self.lengths = np.zeros(64, dtype=np.int64)
@@ -126,6 +139,7 @@ class TenantTexts:
         start, length = self._store_end, int(self.lengths[text]) if self.capacities[text] else 0
         old = int(self.starts[text])
         self.store[start : start + length] = self.store[old : old + length]
+        self.prev[start : start + length] = self.prev[old : old + length]
         self.starts[text], self.capacities[text] = start, capacity
         self._store_end += capacity
 
@@ -134,13 +148,15 @@ class TenantTexts:
         live = np.flatnonzero(self.capacities > 0).tolist()
         needed = sum(int(self.capacities[text]) for text in live) + room
         store = np.zeros(max(len(self.store), 2 * needed), dtype=np.int32)
+        prev = np.full(len(store), -1, dtype=np.int32)
         end = 0
         for text in live:
             start, length = int(self.starts[text]), int(self.lengths[text])
             store[end : end + length] = self.store[start : start + length]
+            prev[end : end + length] = self.prev[start : start + length]
             self.starts[text] = end
             end += int(self.capacities[text])
-        self.store, self._store_end = store, end
+        self.store, self.prev, self._store_end = store, prev, end
 
     def _free_text(self, text: int) -> None:
         self.capacities[text] = self.lengths[text] = 0
@@ -149,11 +165,12 @@ class TenantTexts:
 
     def kernel_arguments(self) -> tuple:
         """The texts as :func:`~vllm_fafo.drafting.step_kernel.file_and_draft` takes them
-        (places, store, starts, lengths, capacities, answers owner by text, key length,
-        on); the same tuple while nothing grew."""
+        (answers' places, the own texts' chains' heads, cells used and ``prev``, store,
+        starts, lengths, capacities, answers owner by text, key length, on); the same tuple
+        while nothing grew."""
         self._arguments = same_or_new(self._arguments, (
-            self.positions.state, self.store, self.starts, self.lengths, self.capacities, self.answers_of,
-            self.key_len, True))
+            self.positions.state, self.heads, self.heads_used, self.prev, self.store, self.starts, self.lengths,
+            self.capacities, self.answers_of, self.key_len, True))
         return self._arguments
 
     # requests -------------------------------------------------------------------------
@@ -161,7 +178,7 @@ class TenantTexts:
         """A new request: its prompt is the first text it matches in; its answer is
         kept for its tenant's other requests, running and later. Returns its
         text id and the owner of the places in its own text, as the step's kernel takes
-        them (:meth:`ids`)."""
+        them (:meth:`ids`): its own text's run id, a new one."""
         cache = self._tenants.get(tenant)
         if cache is None:
             cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
@@ -170,62 +187,78 @@ class TenantTexts:
             self._evict(tenant, req_id)
         prompt = np.ascontiguousarray(prompt, dtype=np.int32)
         text = self._new_text(prompt)
-        own = self.positions.new_owner()
-        self.positions.reserve(len(prompt), 2)
-        text_kernels.feed_text(self.positions.state, self.store, self.starts[text], 0, len(prompt), self.key_len,
-                               own, -1, text, np.zeros(2, dtype=np.int32))
+        run, self._next_run = self._next_run, self._next_run + 1
+        self._make_heads_room(len(prompt))
+        text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, self.starts[text], 0, len(prompt),
+                               self.key_len, run)
         cache.kept[req_id] = text
-        self._running[req_id] = _Running(tenant, text, own)
+        self._running[req_id] = _Running(tenant, text, run)
         if self.answer_bytes:
             self.answers_of[text] = cache.answers
         self._drop_idle_tenants()
-        return text, own
+        return text, run
 
     def ids(self, req_id: str) -> tuple[int, int]:
-        """A running request's text id and the owner of the places in its own text."""
+        """A running request's text id and its own text's run id."""
         running = self._running[req_id]
-        return running.text, running.own
+        return running.text, running.run
 
     def make_room(self, texts: np.ndarray, num_tokens: np.ndarray) -> None:
         """Grow the texts ``texts`` that ``num_tokens`` would overflow, with them those
-        within a quarter of their room, and the places' arena for the keys they add (where
-        the step's kernel found no room). The batch's texts fill up each at its own step, a
+        within a quarter of their room, and the answers' places' arena and the chains'
+        table for the keys they add (where the step's kernel found no room). The batch's texts fill up each at its own step, a
         few tokens a step: grown one at a time, a batch of 32 found a text short, and ran
         the kernel twice, in one step in six (at 128: one in two)."""
         capacities = self.capacities[texts]
         for i in np.flatnonzero(4 * num_tokens > 3 * capacities).tolist():
             self._place(int(texts[i]), 2 * max(int(num_tokens[i]), int(capacities[i])))
-        self.positions.reserve(2 * int(np.maximum(num_tokens - self.lengths[texts], 0).sum()) + 2, 2)
+        new_places = int(np.maximum(num_tokens - self.lengths[texts], 0).sum())
+        self.positions.reserve(new_places + 2, 2)
+        self._make_heads_room(new_places)
+
+    def _make_heads_room(self, cells: int) -> None:
+        """Room for ``cells`` more cells in the chains' table, kept at most half full: where it
+        lacks it, a table of at least four times the running texts' tokens and ``cells``,
+        the running texts chained again (stopped runs' cells dropped)."""
+        if self.heads_used[0] + cells <= len(self.heads) // 2:
+            return
+        running = [(int(self.starts[r.text]), int(self.lengths[r.text]), r.run) for r in self._running.values()]
+        needed = 4 * (sum(length for _, length, _ in running) + cells)
+        self.heads = np.zeros(max(MIN_HEADS, 1 << (needed - 1).bit_length()), dtype=np.int64)
+        self.heads_used[0] = 0
+        for start, length, run in running:
+            text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, start, 0, length, self.key_len,
+                                   run)
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length (one
         request; the step drafts every request inside its kernel)."""
-        text, own = self.ids(req_id)
+        text, run = self.ids(req_id)
         answers = int(self.answers_of[text])
         self.make_room(np.array([text]), np.array([num_tokens]))
-        self.feed(text, own, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
+        self.feed(text, run, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
         found, end, depth = text_kernels.deep_match(
-            self.positions.state, self.store, self.starts, self.lengths, context, len(context), self.key_len,
-            own, answers, text)
+            self.positions.state, self.heads, self.prev, self.store, self.starts, self.lengths, context, len(context),
+            self.key_len, run, answers, text)
         if depth == 0:
             return [], 0
         start = int(self.starts[found]) + end + 1
         stop = int(self.starts[found] + self.lengths[found])
         return self.store[start : min(stop, start + room)].tolist(), depth
 
-    def feed(self, text: int, own: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
+    def feed(self, text: int, run: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
         """Append ``history[fed:num_tokens]`` to the text and file its new keys (room ensured)."""
         fed = int(self.lengths[text])
         if num_tokens <= fed:
             return
         start = int(self.starts[text])
         self.store[start + fed : start + num_tokens] = history[fed:num_tokens]
-        text_kernels.feed_text(self.positions.state, self.store, start, fed, num_tokens, self.key_len, own,
-                               answers, text, np.zeros(2, dtype=np.int32))
+        text_kernels.feed_text(self.positions.state, self.heads, self.heads_used, self.prev, self.store, start, fed,
+                               num_tokens, self.key_len, run, answers, text, np.zeros(2, dtype=np.int32))
         self.lengths[text] = num_tokens
 
     def stop(self, req_id: str) -> None:
@@ -234,7 +267,6 @@ class TenantTexts:
         running = self._running.pop(req_id, None)
         if running is None:
             return
-        self.positions.release(running.own)
         cache = self._tenants[running.tenant]
         text = running.text
         if self.answers_of[text] < 0:  # its answer is not kept for later requests
@@ -263,7 +295,8 @@ class TenantTexts:
 
     def nbytes(self) -> int:
         """Bytes of the texts' and places' arrays (allocated, used or not)."""
-        arrays = (self.store, self.starts, self.lengths, self.capacities, self._answer_starts, self.answers_of)
+        arrays = (self.store, self.prev, self.heads, self.starts, self.lengths, self.capacities,
+                  self._answer_starts, self.answers_of)
         return self.positions.nbytes() + int(sum(a.nbytes for a in arrays))
 
     @property

@@ -89,7 +89,9 @@ class DraftIndex:
         self._scratch = frozen.arena.scratch if frozen is not None and frozen.capacity > self.arena.capacity \
             else self.arena.scratch
         empty = np.zeros(0, dtype=np.int64)
-        self._no_texts = (PoolArena(1, 1).state, np.zeros(0, dtype=np.int32), empty, empty, empty, empty, 1, False)
+        no_tokens = np.zeros(0, dtype=np.int32)
+        self._no_texts = (PoolArena(1, 1).state, np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64), no_tokens,
+                          no_tokens, empty, empty, empty, empty, 1, False)
         """The kernel's deep-match arguments where there are none (the modes)."""
         self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
         self._views: dict[int, BatchDrafts] = {}
@@ -113,8 +115,7 @@ class DraftIndex:
 
     def owners(self, req_id: str, target: RequestPool) -> np.ndarray:
         """A running request's ids in the index, as :meth:`draft_batch` takes them: its
-        pool's owner and its tag there, its text and the owner of the places in it (-1:
-        none)."""
+        pool's owner and its tag there, its text and its own text's run id (-1: none)."""
         ids = np.full(4, -1, dtype=np.int64)
         ids[:2] = target.pool.owner, target.tag
         if self.texts is not None:

@@ -74,12 +74,13 @@ texts or the outputs lack room (the caller grows them and calls again)."""
 
 
 @njit(cache=True)
-def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors, max_draft, max_len,
-          ngram_len, seed_from_output, drafts, context, max_key):
+def _room(st, pos, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors,
+          max_draft, max_len, ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
-    the keys it files (each anchor's keys), the texts'
-    growth and their places, the outputs' rows and width; and the keys it files (0 where
-    it stopped before counting them all; :data:`ROOM_OK`'s and :data:`ROOM_POOLS`' are whole)."""
+    the keys it files (each anchor's keys), the texts' growth, their places and their
+    chains' cells (``heads_room``: cells free to fill), the outputs' rows and width; and
+    the keys it files (0 where it stopped before counting them all; :data:`ROOM_OK`'s and
+    :data:`ROOM_POOLS`' are whole)."""
     count = len(num_tokens)
     if count > drafts.shape[0]:
         return ROOM_OUTPUTS, 0
@@ -101,7 +102,7 @@ def _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens
         return ROOM_OUTPUTS, keys
     if not has_room(st, keys, ngram_len):
         return ROOM_POOLS, keys
-    if deep_on and not has_room(pos, 2 * places + 2, 2):
+    if deep_on and (places > heads_room or not has_room(pos, places + 2, 2)):
         return ROOM_TEXTS, keys
     return ROOM_OK, keys
 
@@ -152,19 +153,21 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     num_tokens[i])`` tokens: a deep match
     first, then chained candidates of the pools, where they miss Cacheback's frozen table
     (``frozen``, its owner ``frozen_owner``; None: none), then the prior table (``prior_lens`` non-empty), whose next
-    token votes where the pools rank by votes. ``texts``: the deep matches' (places
-    arena, store, text starts, lengths, capacities, answers owner by text, key length,
-    on); request i's text is ``owners[s, 2]``, the places in it owner ``owners[s, 3]``, fed
-    up to ``num_tokens``. Writes rows ``:len(rows)`` of ``drafts``, ``origins``,
-    ``draft_lens``, ``key_lens`` (the deep match's depth, else the first piece's key, 0
+    token votes where the pools rank by votes. ``texts``: the deep matches' (answers' places
+    arena, own texts' chains: heads, cells used and ``prev``, store, text starts, lengths,
+    capacities, answers owner by text, key length, on); request i's text is
+    ``owners[s, 2]``, its run id (its chain's) ``owners[s, 3]``, fed up to ``num_tokens``.
+    Writes rows ``:len(rows)`` of ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the
+    deep match's depth, else the first piece's key, 0
     for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
     ``MATCH_DEPTH`` + twice the keys and the outputs' width. Returns :data:`ROOM_OK`,
     or, having changed nothing, what lacks room (:func:`_room`), with the keys the step
     files (the arena's room to make for :data:`ROOM_POOLS`)."""
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
-    pos, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
-    room_status, num_keys = _room(st, pos, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens,
+    pos, heads, heads_used, prev, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
+    heads_room = len(heads) // 2 - heads_used[0]  # the chains' table kept at most half full
+    room_status, num_keys = _room(st, pos, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens,
                                   next_anchors, max_draft, max_len, ngram_len, seed_from_output, drafts, context,
                                   max_key)
     if room_status != ROOM_OK:
@@ -197,20 +200,20 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         first = True
         # the deep match: feed the text, match its end
         if deep_on:
-            text, text_own = owners[s, 2], owners[s, 3]
+            text, run = owners[s, 2], owners[s, 3]
             fed = t_len[text]
             for j in range(fed, n_tok):
                 store[t_start[text] + j] = hist[j]
             if n_tok > fed:
-                feed_text(pos, store, t_start[text], fed, n_tok, deep_key, text_own, t_answers[text], text,
-                          place)
+                feed_text(pos, heads, heads_used, prev, store, t_start[text], fed, n_tok, deep_key, run,
+                          t_answers[text], text, place)
                 t_len[text] = n_tok
             if room > 0:
                 k0 = max(0, n_tok - MATCH_DEPTH)
                 for j in range(n_tok - k0):
                     context[j] = hist[k0 + j]
-                found, end, depth = deep_match(pos, store, t_start, t_len, context, n_tok - k0, deep_key,
-                                               text_own, t_answers[text], text)
+                found, end, depth = deep_match(pos, heads, prev, store, t_start, t_len, context, n_tok - k0,
+                                               deep_key, run, t_answers[text], text)
                 if depth > 0:
                     first_key, first = depth, False
                     src = t_start[found] + end + 1

@@ -16,6 +16,7 @@ from vllm_fafo.step_arrays import same_or_new
 from .test_proposer import make_proposer
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
+NO_LANE_ANSWER = (-1, 0, False)
 
 
 class SeparateKernels(FafoProposer):
@@ -34,6 +35,9 @@ class SeparateKernels(FafoProposer):
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
         self._table.settle(slots, taken, verified, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
+        if learns:
+            controller.yields.observe_counts(step.lane_tokens, lane_accepted, int(accepted.sum()) - lane_accepted,
+                                             len(slots))
         found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
                                        token_ids, rows, num_tokens, self.controller.draft_room(), self.max_model_len)
         lengths, matched, key_lens = self.judge.judge(slots, rows, num_tokens, token_ids)
@@ -48,12 +52,12 @@ class SeparateKernels(FafoProposer):
             pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
                        token_ids[rows, num_tokens - 1])
             self._table.keep(slots, found.origins, found.lengths, self.metrics)
-            return LENGTHS_PADDED, 0, 0, 0, int(accepted.sum()), lane_accepted
+            return LENGTHS_PADDED, 0, 0, 0, NO_LANE_ANSWER
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
         # choose_draft_lens noted its choice; no cost curve to update after
-        return LENGTHS_FOUND, 0, 0, 0, int(accepted.sum()), lane_accepted
+        return LENGTHS_FOUND, 0, 0, 0, NO_LANE_ANSWER
 
 
 def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:
@@ -148,6 +152,8 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         np.testing.assert_allclose(ours.cost.fitted[:2, : ours.cost.num_points],
                                    theirs.cost.fitted[:2, : theirs.cost.num_points], **same)
         np.testing.assert_allclose(ours.yields.reach_table(), theirs.yields.reach_table(), **same)
+        np.testing.assert_allclose(ours.yields.totals, theirs.yields.totals, **same)
+        assert ours.yields.totals[2] > 0
         assert (ours.last.draft_len, ours.last.mean_draft_len) == (theirs.last.draft_len, theirs.last.mean_draft_len)
 
 
@@ -239,3 +245,47 @@ def test_the_held_step_arrays_follow_the_lanes_filing_into_the_pools():
         assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
         made.add(id(proposer._held))
     assert 1 < len(made) < 8  # the arena grew under the lanes' filing in some steps, not in every one
+
+
+def test_the_lane_question_the_step_kernel_asks_is_the_one_the_lanes_would_ask():
+    """The lanes ask the controller how many lanes to run right after the step's kernel
+    ran; the kernel asks it first, for the batch the last question had and the drafts it
+    kept. Over 80 steps of three requests (one leaving), yields, lane step costs and
+    probes changing, and now and then a question the kernel did not foresee: every answer
+    is the one the rule in numpy gives on the controller's state (test_goodput's
+    reference), and most were the kernel's."""
+    from .test_goodput import LANE_LEN, lane_choice_reference
+
+    proposer = make_proposer(max_model_len=1024, controller="goodput", num_speculative_tokens=6, lane_len=LANE_LEN)
+    controller = proposer.controller
+    rng = np.random.default_rng(5)
+    history = np.stack([repetitive_text(1024, rng) for _ in range(3)])
+    num_tokens = np.array([20, 30, 25], dtype=np.int32)
+    now = [0.0]
+    proposer.clock = lambda: now[0]
+    req_ids, drafts, scheduled = ["a", "b", "c"], [[], [], []], {}
+    answers, foreseen = set(), 0
+    for step in range(80):
+        finished = ["b"] if step == 50 else []
+        if finished:
+            req_ids, drafts = ["a", "c"], [drafts[0], drafts[2]]
+        if step % 7 == 3:  # lanes that paid, that paid in a short probe, that did not; lane steps' costs
+            lane_tokens, share = [(400.0, 0.5), (5.0, 0.4), (400.0, 0.0)][int(rng.integers(0, 3))]
+            controller.yields.lane_tokens, controller.yields.lane_accepted = lane_tokens, share * lane_tokens
+            controller.lane_cost.observe(int(rng.integers(10, 300)), float(rng.choice([0.03, 0.5])))
+        rows = [ord(req_id) - ord("a") for req_id in req_ids]
+        sampled = sampled_tokens(history, num_tokens, rows, drafts)
+        proposer.begin_step(finished, len(req_ids) + sum(map(len, drafts)), scheduled,
+                            dict.fromkeys(req_ids) if step == 0 else {})
+        now[0] += 0.04 + 0.003 * sum(map(len, drafts))
+        proposer.finish_forward(req_ids, None)
+        drafts = proposer.propose(sampled, num_tokens[rows], history[rows])
+        scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
+        question = (len(req_ids) + sum(map(len, drafts)) + (step % 11 == 5), len(req_ids), len(req_ids), 8)
+        foreseen += controller._answer is not None and controller._answer[:4] == question
+        want = lane_choice_reference(controller, *question)
+        assert controller.choose_lanes(*question) == want[0], f"step {step}"
+        assert controller.last.probe == want[1], f"step {step}"
+        answers.add((want[0] > 0, want[1]))
+    assert foreseen > 60, foreseen
+    assert answers == {(False, False), (True, False), (True, True)}, answers  # off, chosen, probed

@@ -17,7 +17,7 @@ from __future__ import annotations
 from numba import njit
 
 from vllm_fafo.control.draft_judge import judge_drafts, queue_drafts
-from vllm_fafo.control.kernels import choose_draft_lengths, observe_chains, observe_cost
+from vllm_fafo.control.kernels import choose_draft_lengths, choose_lanes, count_totals, observe_chains, observe_cost
 from vllm_fafo.drafting.step_kernel import ROOM_OK, file_and_draft
 from vllm_fafo.request_table import keep_drafts, settle_drafts
 
@@ -51,8 +51,9 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 @njit(cache=True)
 def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_count, branch_trials, mode, observe,
-                 observed_curve, tokens, seconds, plain_curve, plain_count, lane_count, step_tokens, plain_observed,
-                 lanes_observed):
+                 observed_curve, tokens, seconds, plain_curve, plain_count, lane_points, lanes_on, step_tokens,
+                 plain_observed, lane_tokens, lane_len, ask_requests, ask_decoding, ask_max_lanes, probe_due,
+                 probe_anyway):
     """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
     vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
     whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``,
@@ -71,16 +72,25 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     4. judge the queued drafts their text now decides (:func:`~vllm_fafo.control.draft_judge.judge_drafts`,
        ``judge``: :meth:`DraftJudge.kernel_arguments`) and, where ``learning`` says so,
        teach the controller's draft yields those and the branches' trials
-       (:func:`~vllm_fafo.control.kernels.observe_chains`);
+       (:func:`~vllm_fafo.control.kernels.observe_chains`) and count the step's totals
+       (:func:`~vllm_fafo.control.kernels.count_totals`, ``lane_tokens`` in its tail);
     5. queue the drafts found, whole, for judging later;
     6. cut them to the lengths the controller chooses (``choice``, the step priced by curve
        ``plain_curve`` and the lane steps', :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), or pad them
        (:func:`pad_found_drafts`), and keep them for settling next step
        (:func:`~vllm_fafo.request_table.keep_drafts`), as its mode
-       (:data:`LENGTHS_CHOSEN` ...) says.
+       (:data:`LENGTHS_CHOSEN` ...) says;
+    7. where ``ask_requests`` > 0 (and the drafts are kept here), ask the controller's lane
+       question of the next step as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`):
+       its tokens the requests and their drafts, ``ask_requests`` of them with lanes, of up to
+       ``ask_max_lanes`` lanes of ``lane_len`` tokens; a plain or a lane step priced as the
+       controller will price it once this step is learned (the lane curve has ``lane_points``
+       before it; ``lanes_on``: the next step's drafts are priced as a step with lanes).
+       Asked between two forwards anyway, it saves the lanes' planning a cold call.
 
     Returns (room status, keys filed, the cost curve's points, the judge's new count,
-    longest and total length chosen, drafts accepted, of them the lanes'). A status
+    longest and total length chosen, the lane question's real tokens (-1: none asked),
+    its lanes and probe). A status
     other than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what
     lacks room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
@@ -89,8 +99,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     st, frozen, frozen_owner, prior, prior_lens, texts, max_len, ngram_len, seed_from_output, scratch = held.index
     drafts, origins, found_lens, key_lens, context = held.outputs
     judge_table, index_of_slot, judged = held.judge
-    learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows = \
-        held.learning
+    (learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows,
+     totals) = held.learning
     curves = held.curves
     log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = curves[observed_curve]
     plain, lanes = curves[plain_curve][7], curves[1][7]
@@ -98,30 +108,32 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
-        return ROOM_JUDGE, 0, 0, judge_count, 0, 0, 0, 0
+        return ROOM_JUDGE, 0, 0, judge_count, 0, 0, -1, 0, False
     for i in range(count):
         if slots[i] >= len(index_of_slot):
-            return ROOM_JUDGE, 0, 0, judge_count, 0, 0, 0, 0
+            return ROOM_JUDGE, 0, 0, judge_count, 0, 0, -1, 0, False
         num_tokens[i] = num_tokens_no_spec[rows[i]]
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
                                       seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
     if status != ROOM_OK:
-        return status, num_keys, 0, judge_count, 0, 0, 0, 0
+        return status, num_keys, 0, judge_count, 0, 0, -1, 0, False
     points_now = 0
     if observe:
         points_now = observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after,
                                   forget_after, curve)
         if plain_observed:
             plain_count = points_now
-        if lanes_observed:
-            lane_count = points_now
+        if observed_curve == 1:
+            lane_points = points_now
+    lane_count = lane_points if lanes_on else 0
     lane_before = accepted_counts[lane]
     settle_drafts(slots, taken, verified, draft_len, draft_origins, accepted_counts, accepted)
     lane_accepted = accepted_counts[lane] - lane_before
     done = judge_drafts(judge_table, judge_count, slots, rows, index_of_slot, num_tokens, history, judged)
     judge_count -= done
     if learn:
+        count_totals(totals, branch_decay, lane_tokens, lane_accepted, count, accepted.sum() - lane_accepted)
         observe_chains(trials, hits, draft_decay ** done, row_of_key_len, judged[2, :done], judged[0, :done],
                        judged[1, :done])
         observe_chains(branch_counts, branch_hits, branch_decay, branch_rows, branch_trials[0], branch_trials[1],
@@ -140,4 +152,9 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)
-    return ROOM_OK, num_keys, points_now, judge_count, longest, total, accepted.sum(), lane_accepted
+    asked_tokens, lanes_chosen, probed = -1, 0, False
+    if ask_requests > 0 and ask_max_lanes > 0 and mode != LENGTHS_LATER:
+        asked_tokens = count + found_lens[:count].sum()
+        lanes_chosen, probed = choose_lanes(totals, lane_len, ask_requests, asked_tokens, ask_decoding, ask_max_lanes,
+                                            plain, plain_count, lanes, lane_points, probe_due, probe_anyway)
+    return ROOM_OK, num_keys, points_now, judge_count, longest, total, asked_tokens, lanes_chosen, probed

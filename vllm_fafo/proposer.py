@@ -549,11 +549,10 @@ class FafoProposer:
         seconds = self._step_seconds(step)
         if self.config.pad_drafts:
             self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
-        mode, longest, total, cost_points, accepted, lane_accepted = self._run_step_kernel(
+        mode, longest, total, cost_points, lane_answer = self._run_step_kernel(
             numbers, num_tokens_no_spec, token_ids_cpu, step_tokens, step, seconds)
         found = self.index.drafts(count)
-        self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, step.lane_tokens,
-                                    lane_accepted, accepted - lane_accepted, count)
+        self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, count, lane_answer)
         now = time.monotonic()
         if now >= self._next_report:
             self._publish_and_log(now)
@@ -595,8 +594,8 @@ class FafoProposer:
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
         index, the judge and the controller (which learns that ``step`` took ``seconds``),
         growing what it finds short; returns (what it did with the drafts'
-        lengths, the longest and the total length chosen, the cost curve's points, the
-        drafts accepted, of them the lanes')."""
+        lengths, the longest and the total length chosen, the cost curve's points, its
+        answer to the next step's lane question: real tokens, -1 where none, lanes, probe)."""
         slots, count = numbers[0], numbers.shape[1]
         trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
                   else _NO_TRIALS)
@@ -609,8 +608,7 @@ class FafoProposer:
             held = self._held
             if held is None or self._held_by is not curves or self._held_choice is not choice:
                 held = self._hold_step_arrays(learning, curves, choice)
-            (status, num_keys, cost_points, queued, longest, total, accepted,
-             lane_accepted) = propose_kernel.propose_step(
+            status, num_keys, cost_points, queued, longest, total, *lane_answer = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, held, room, len(self.judge), trials, *numbers_of_step)
             if status == propose_kernel.ROOM_OK:
                 break
@@ -623,7 +621,7 @@ class FafoProposer:
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
-        return numbers_of_step[0], longest, total, cost_points, accepted, lane_accepted
+        return numbers_of_step[0], longest, total, cost_points, lane_answer
 
     def step_parts(self, learning: tuple, curves: tuple, choice: tuple) -> tuple:
         """The owners' arrays for the step's kernel, with the controller's ``learning``,

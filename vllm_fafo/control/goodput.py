@@ -241,6 +241,12 @@ class StepOutcome(NamedTuple):
     branch_matches: np.ndarray = _NONE  # tokens accepted
 
 
+def _total(index: int, doc: str | None = None) -> property:
+    """Entry ``index`` of :attr:`YieldEstimates.totals`, as an attribute."""
+    return property(lambda self: float(self.totals[index]), lambda self, value: self.totals.__setitem__(index, value),
+                    doc=doc)
+
+
 @dataclass
 class YieldEstimates:
     """What drafts and lanes earned, decayed per step (a window of ~1/(1-decay) steps),
@@ -265,14 +271,11 @@ class YieldEstimates:
     draft_decay ** n). 0.9995 (2,000 drafts) once kept drafts off for good after one
     bad stretch in a replay; 0.98 per step was 50 drafts at batch 1 (docs/results/goodput-controller.md, "Draft
     yields kept per verified draft")."""
-    lane_prior_tokens: float = 96.0
-    """Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1)."""
-    lane_yield_unseen: float = LANE_YIELD_UNSEEN
-    """What :meth:`lane_yield_seen` says before lanes ran lately."""
-    lane_tokens: float = 0.0
-    lane_accepted: float = 0.0
-    decode_rows: float = 0.0
-    text_accepted: float = 0.0
+    totals: np.ndarray = field(init=False)
+    """The steps' lane tokens, lane tokens accepted, decoding requests and text drafts'
+    tokens accepted, decayed per step, then :attr:`lane_prior_tokens` and
+    :attr:`lane_yield_unseen` (:data:`~vllm_fafo.control.kernels.TOTAL_LANE_TOKENS` ...): one
+    array, which the step's kernel counts into and asks the lane choice from."""
     row_of_key_len: np.ndarray = field(init=False)
     """Row of :attr:`position_trials` for each matched key length 0..max_key_len."""
     position_trials: np.ndarray = field(init=False)
@@ -299,6 +302,7 @@ class YieldEstimates:
     _learning: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.totals = np.array([0.0, 0.0, 0.0, 0.0, 96.0, LANE_YIELD_UNSEEN])
         self.row_of_key_len = evidence_rows(self.max_key_len)
         self._branch_rows = np.arange(BRANCH_RANKS, dtype=np.int64)
         shape = (int(self.row_of_key_len[-1]) + 1, self.max_draft)  # by matched key length's row, then position
@@ -310,7 +314,15 @@ class YieldEstimates:
         self._read_only_views = tuple(_read_only(table.view()) for table in (
             self._reach_overall, self._reach_by_row, self._branch_reach))
         self._learning = (True, self.position_trials, self.position_hits, self.draft_decay, self.row_of_key_len,
-                          self.branch_trials, self.branch_hits, self.decay, self._branch_rows)
+                          self.branch_trials, self.branch_hits, self.decay, self._branch_rows, self.totals)
+
+    lane_prior_tokens = _total(kernels.LANE_PRIOR_TOKENS,
+                               "Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1).")
+    lane_yield_unseen = _total(kernels.LANE_YIELD_UNSEEN, "What :meth:`lane_yield_seen` says before lanes ran lately.")
+    lane_tokens = _total(kernels.TOTAL_LANE_TOKENS)
+    lane_accepted = _total(kernels.TOTAL_LANE_ACCEPTED)
+    decode_rows = _total(kernels.TOTAL_DECODE_ROWS)
+    text_accepted = _total(kernels.TOTAL_TEXT_ACCEPTED)
 
     def observe(self, outcome: StepOutcome) -> None:
         self.observe_counts(outcome.lane_tokens, outcome.lane_accepted, outcome.text_accepted,
@@ -325,18 +337,19 @@ class YieldEstimates:
 
     def observe_counts(self, lane_tokens: int, lane_accepted: int, text_accepted: int,
                        decoding_requests: int) -> None:
-        """A step's totals; its drafts' and branches' chains are counted by :meth:`observe`,
-        or in the step's kernel (:meth:`learning_arguments`)."""
+        """A step's totals (:func:`~vllm_fafo.control.kernels.count_totals`); its drafts' and
+        branches' chains are counted by :meth:`observe`; the step's kernel counts all of them
+        (:meth:`learning_arguments`, then :meth:`counted`)."""
+        kernels.observe_totals(self.totals, self.decay, lane_tokens, lane_accepted, decoding_requests, text_accepted)
+        self.counted()
+
+    def counted(self) -> None:
+        """A step's totals were counted (the reach tables are stale until refreshed)."""
         self._stale = self._branch_stale = True
-        d = self.decay
-        self.lane_tokens = d * self.lane_tokens + lane_tokens
-        self.lane_accepted = d * self.lane_accepted + lane_accepted
-        self.decode_rows = d * self.decode_rows + decoding_requests
-        self.text_accepted = d * self.text_accepted + text_accepted
 
     def learning_arguments(self) -> tuple:
-        """What :func:`~vllm_fafo.propose_kernel.propose_step` counts the step's judged drafts
-        and branch trials into, as :meth:`observe` does: the same tuple for the estimates' life."""
+        """What :func:`~vllm_fafo.propose_kernel.propose_step` counts the step's judged drafts,
+        branch trials and totals into, as :meth:`observe` does: the same tuple for the estimates' life."""
         return self._learning
 
     def refreshed(self) -> None:
@@ -351,19 +364,17 @@ class YieldEstimates:
         Lanes mostly run in short probes: a ratio of a few dozen lane tokens is
         noise, and with lanes off it is kept (trials and hits decay alike), so one
         lucky probe would turn lanes on over and over where they do not pay."""
-        return self.lane_accepted / (self.lane_tokens + self.lane_prior_tokens)
+        return kernels.yield_figures(self.totals)[0]
 
     def lane_yield_seen(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, as measured, without the
         prior (:attr:`lane_yield_unseen` before lanes ran lately). What a probe is
         judged by: whether lanes could pay at the yield they last showed."""
-        if self.lane_tokens <= 0.0:
-            return self.lane_yield_unseen
-        return self.lane_accepted / self.lane_tokens
+        return kernels.yield_figures(self.totals)[1]
 
     def tokens_per_request(self) -> float:
         """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
-        return 1.0 + (self.text_accepted / self.decode_rows if self.decode_rows > 1e-6 else 0.0)
+        return kernels.yield_figures(self.totals)[2]
 
     def reach_probability(self, key_lens: np.ndarray | None = None) -> np.ndarray:
         """P(positions 1..k all accepted), k = 1..max_draft, non-increasing: over all
@@ -449,7 +460,7 @@ class FixedController:
         self.max_draft = max_draft
         self.last = Decision(0, max_draft)
         table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
-        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index)
+        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index, np.zeros(6))
         curve = StepCostModel().kernel_arrays()  # never observed (the step's numbers say so)
         self._curves = (curve, curve, curve)
         self._choice = (np.zeros(1), table, table, index)
@@ -482,10 +493,11 @@ class FixedController:
         to ``max_draft`` in the kernel (:meth:`GoodputController.kernel_arguments`' types, so
         that both controllers run one compiled kernel)."""
         return self._learning, self._curves, self._choice, (
-            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0, 0.0, 0.0, 0, 0, 0, 0, False, False)
+            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0, 0.0, 0.0, 0, 0, 0, False, 0, False, 0, 0, 0, 0, 0,
+            False, False)
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
-                    lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
+                    decoding_requests: int, lane_answer: tuple[int, int, bool]) -> None:
         return None
 
     def summary(self) -> dict:
@@ -528,10 +540,13 @@ class GoodputController:
                                      TAIL_WORTH, 1.0)
         """Share of its reach each draft position is worth, by matched key length (0: no match)."""
         self.last = Decision(0, max_draft, float(max_draft))
-        self._lane_options: dict[int, np.ndarray] = {}
-        """The lanes per request :meth:`choose_lanes` weighs (0, powers of two, the most), by the most."""
-        self._lane_seconds = np.zeros(0)
-        """Scratch of :func:`~vllm_fafo.control.kernels.choose_lane_count`."""
+        self._asked: tuple[int, int, int] | None = None
+        """The last lane question's requests with lanes, decoding requests and most lanes:
+        the step's kernel asks the next step's question for them (None: none asked yet)."""
+        self._answer: tuple[int, int, int, int, int, bool] | None = None
+        """The step's kernel's answer to the next step's lane question: its question (real
+        tokens, requests with lanes, decoding requests, most lanes), then lanes and probe;
+        None once the controller learned anything after it."""
         self._lengths = np.zeros(0, dtype=np.int64)
         """The draft lengths :func:`~vllm_fafo.propose_kernel.propose_step` chooses (scratch)."""
         self._observed: StepCostModel | None = None
@@ -571,18 +586,17 @@ class GoodputController:
         if max_lanes <= 0 or lane_requests <= 0:
             self.last.lanes, self.last.probe = 0, False
             return 0
-        options = self._lane_options.get(max_lanes)
-        if options is None:
-            options = np.unique(np.concatenate([[0], 1 << np.arange(int(math.log2(max_lanes)) + 1), [max_lanes]]))
-            options = self._lane_options[max_lanes] = options[options <= max_lanes]  # 0 first
-            self._lane_seconds = np.zeros(max(len(options) + 2, len(self._lane_seconds)))
-        plain, probe = self._plain_cost(), self._lane_probe
-        best, probed = kernels.choose_lane_count(
-            options, self.lane_len, lane_requests, real_tokens, decoding_requests, self.yields.tokens_per_request(),
-            self.yields.lane_yield(), self.yields.lane_yield_seen(), plain.fitted, plain.num_points,
-            self.lane_cost.fitted, self.lane_cost.num_points, probe.due(), probe.in_burst() or probe.overdue(),
-            self._lane_seconds)
-        probe.step(chosen=best > 0, probe=probed)
+        answer, self._answer = self._answer, None
+        if answer is not None and answer[:4] == (real_tokens, lane_requests, decoding_requests, max_lanes):
+            best, probed = answer[4], answer[5]  # asked by the step's kernel, of the same state
+        else:
+            plain, probe = self._plain_cost(), self._lane_probe
+            best, probed = kernels.choose_lanes(
+                self.yields.totals, self.lane_len, lane_requests, real_tokens, decoding_requests, max_lanes,
+                plain.fitted, plain.num_points, self.lane_cost.fitted, self.lane_cost.num_points, probe.due(),
+                probe.in_burst() or probe.overdue())
+        self._asked = (lane_requests, decoding_requests, max_lanes)
+        self._lane_probe.step(chosen=best > 0, probe=probed)
         self.last.lanes, self.last.probe = best, probed
         return best
 
@@ -726,6 +740,7 @@ class GoodputController:
         could not tell from the price of the tokens. (On the 2-core CPU a step with a
         lane probe took 15-26 % more than a plain step of as many tokens; in the plain
         curve such steps made the drafts after a probe look dearer than they were.)"""
+        self._answer = None
         self._curve_of(outcome.lane_tokens, outcome.tree_tokens).observe(outcome.tokens, outcome.seconds)
         self.observe_tiers(outcome.uniform_draft_len, outcome.decoding_requests, outcome.seconds)
         self.yields.observe(outcome)
@@ -753,7 +768,11 @@ class GoodputController:
         (:mod:`vllm_fafo.step_arrays`): the three curves (plain, lane and tree steps') are in
         them whole; the last tuple is the step's numbers (mode, observe, the curve observed,
         tokens, seconds, the curve that prices plain steps, its points and the lane curve's,
-        ``step_tokens``, whether the step's observation moves the plain or the lane curve)."""
+        whether the next step is priced with lanes, ``step_tokens``, whether the step's
+        observation moves the plain curve, ``lane_tokens``) and the next step's lane question
+        (:meth:`choose_lanes`, asked in the kernel where the last step asked one: lanes per
+        token, requests with lanes, decoding requests and most lanes as last asked, the
+        probe due, the probe run anyway), whose answer :meth:`finish_step` keeps."""
         observed_curve = 2 if tree_tokens else 1 if lane_tokens else 0  # as _curve_of
         observed = self._curve_of(lane_tokens, tree_tokens)
         self._observed = observed if tokens >= 1 else None  # a step of no tokens teaches nothing
@@ -767,20 +786,24 @@ class GoodputController:
         if len(self._lengths) < requests or self._choice is None:
             self._lengths = np.zeros(max(2 * requests, len(self._lengths)), dtype=np.int64)
             self._choice = (reach_overall, reach_by_row, self._worth_share, self._lengths)
+        asked, probe = self._asked or (0, 0, 0), self._lane_probe
         return yields.learning_arguments(), self._curves, self._choice, (
             mode, tokens >= 1, observed_curve, float(tokens), float(seconds), 0 if plain is self.cost else 1,
-            plain.num_points, lane_curve.num_points if lanes_on else 0, step_tokens, plain is observed,
-            lanes_on and lane_curve is observed)
+            plain.num_points, lane_curve.num_points, lanes_on, step_tokens, plain is observed, lane_tokens,
+            self.lane_len, *asked, probe.due(), probe.in_burst() or probe.overdue())
 
     def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
-                    lane_tokens: int, lane_accepted: int, text_accepted: int, decoding_requests: int) -> None:
+                    decoding_requests: int, lane_answer: tuple[int, int, bool]) -> None:
         """After :func:`~vllm_fafo.propose_kernel.propose_step`: the points of the cost curve
-        it observed (``cost_points``), the step's totals learned, and where it chose draft
+        it observed (``cost_points``), the step's totals counted, where it chose draft
         lengths (``mode``) what it chose (the longest, the sum) and from which key lengths
-        (``key_lens``, one per request)."""
+        (``key_lens``, one per request), and its answer to the next step's lane question
+        (``lane_answer``: the question's real tokens, -1 where it asked none, lanes, probe)."""
         if self._observed is not None:
             self._observed.num_points = cost_points
-        self.yields.observe_counts(lane_tokens, lane_accepted, text_accepted, decoding_requests)
+        self.yields.counted()
+        real_tokens, lanes, probed = lane_answer
+        self._answer = None if real_tokens < 0 else (real_tokens, *self._asked, lanes, probed)
         if mode == LENGTHS_CHOSEN:
             self.yields.refreshed()
             self._spine_key_lens = key_lens

@@ -263,6 +263,88 @@ def choose_lane_count(options: np.ndarray, lane_len: int, lane_requests: int, re
     return (size if probe else 0), probe
 
 
+TOTAL_LANE_TOKENS, TOTAL_LANE_ACCEPTED, TOTAL_DECODE_ROWS, TOTAL_TEXT_ACCEPTED, LANE_PRIOR_TOKENS, LANE_YIELD_UNSEEN = \
+    range(6)
+"""The entries of :attr:`~vllm_fafo.control.goodput.YieldEstimates.totals`: a step's totals,
+decayed (:func:`count_totals`), then the lane yield's prior (pseudo lane tokens that earned
+nothing) and the yield a probe assumes before lanes ran lately."""
+
+
+@njit(cache=True, inline="always")
+def count_totals(totals: np.ndarray, decay: float, lane_tokens: int, lane_accepted: int, decoding_requests: int,
+                 text_accepted: int) -> None:
+    """Decay a step's totals and add this step's."""
+    totals[TOTAL_LANE_TOKENS] = decay * totals[TOTAL_LANE_TOKENS] + lane_tokens
+    totals[TOTAL_LANE_ACCEPTED] = decay * totals[TOTAL_LANE_ACCEPTED] + lane_accepted
+    totals[TOTAL_DECODE_ROWS] = decay * totals[TOTAL_DECODE_ROWS] + decoding_requests
+    totals[TOTAL_TEXT_ACCEPTED] = decay * totals[TOTAL_TEXT_ACCEPTED] + text_accepted
+
+
+@njit(cache=True)
+def observe_totals(totals: np.ndarray, decay: float, lane_tokens: int, lane_accepted: int, decoding_requests: int,
+                   text_accepted: int) -> None:
+    """:func:`count_totals`, called from Python."""
+    count_totals(totals, decay, lane_tokens, lane_accepted, decoding_requests, text_accepted)
+
+
+@njit(cache=True, inline="always")
+def lane_yield(totals: np.ndarray) -> float:
+    """Accepted lane-n-gram tokens per lane token run, shrunk by the prior's pseudo tokens
+    (:meth:`~vllm_fafo.control.goodput.YieldEstimates.lane_yield`)."""
+    return totals[TOTAL_LANE_ACCEPTED] / (totals[TOTAL_LANE_TOKENS] + totals[LANE_PRIOR_TOKENS])
+
+
+@njit(cache=True, inline="always")
+def lane_yield_seen(totals: np.ndarray) -> float:
+    """Accepted lane-n-gram tokens per lane token run, as measured, the unseen yield before
+    lanes ran lately (:meth:`~vllm_fafo.control.goodput.YieldEstimates.lane_yield_seen`)."""
+    if totals[TOTAL_LANE_TOKENS] <= 0.0:
+        return totals[LANE_YIELD_UNSEEN]
+    return totals[TOTAL_LANE_ACCEPTED] / totals[TOTAL_LANE_TOKENS]
+
+
+@njit(cache=True, inline="always")
+def tokens_per_request(totals: np.ndarray) -> float:
+    """Tokens a decoding request yields per step without lanes: 1 + accepted text drafts."""
+    rows = totals[TOTAL_DECODE_ROWS]
+    return 1.0 + (totals[TOTAL_TEXT_ACCEPTED] / rows if rows > 1e-6 else 0.0)
+
+
+@njit(cache=True)
+def yield_figures(totals: np.ndarray) -> tuple[float, float, float]:
+    """(:func:`lane_yield`, :func:`lane_yield_seen`, :func:`tokens_per_request`), called from Python."""
+    return lane_yield(totals), lane_yield_seen(totals), tokens_per_request(totals)
+
+
+@njit(cache=True, inline="always")
+def lane_options(max_lanes: int, out: np.ndarray) -> int:
+    """Into ``out``, the lanes per request the lane choice weighs: 0, the powers of two
+    below ``max_lanes`` and ``max_lanes``; returns how many."""
+    out[0] = 0
+    count, power = 1, 1
+    while power < max_lanes:
+        out[count] = power
+        count += 1
+        power *= 2
+    out[count] = max_lanes
+    return count + 1
+
+
+@njit(cache=True, error_model="numpy")
+def choose_lanes(totals: np.ndarray, lane_len: int, lane_requests: int, real_tokens: int, decoding_requests: int,
+                 max_lanes: int, plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_count: int,
+                 probe_due: bool, probe_anyway: bool) -> tuple[int, bool]:
+    """:func:`choose_lane_count` over :func:`lane_options` of ``max_lanes`` (at least 1), the
+    yields read from ``totals``: the goodput controller's whole lane choice in one call,
+    from Python (:meth:`~vllm_fafo.control.goodput.GoodputController.choose_lanes`) or
+    inside the step's kernel for the next step's expected batch."""
+    options = np.empty(66, dtype=np.int64)
+    count = lane_options(max_lanes, options)
+    return choose_lane_count(options[:count], lane_len, lane_requests, real_tokens, decoding_requests,
+                             tokens_per_request(totals), lane_yield(totals), lane_yield_seen(totals), plain,
+                             plain_count, lanes, lane_count, probe_due, probe_anyway, np.empty(count + 2))
+
+
 @njit(cache=True, error_model="numpy")
 def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
                          reach_by_row: np.ndarray, refresh: bool, row_of_key_len: np.ndarray,
@@ -313,6 +395,10 @@ def load_kernels() -> None:
                          0.5, 1, 1, curve)
     step_seconds(curve, count, curve, count, 1, np.zeros(2))
     choose_lane_count(np.arange(2), 1, 1, 1, 1, 1.0, 0.1, 0.1, curve, count, curve, count, True, False, np.zeros(4))
+    totals = np.zeros(6)
+    observe_totals(totals, 0.5, 1, 1, 1, 1)
+    yield_figures(totals)
+    choose_lanes(totals, 1, 1, 1, 1, 2, curve, count, curve, count, True, False)
     prices(curve, count, np.ones(2), np.zeros(2), False)
     choose_draft_lengths(table, table.copy(), np.zeros(3), np.zeros((2, 3)), True, np.zeros(2, dtype=np.int64),
                          np.ones((2, 3)), index, np.ones(1, dtype=np.int64), curve, count, curve, 0, 1,

@@ -133,6 +133,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     done = judge_drafts(judge_table, judge_count, slots, rows, index_of_slot, num_tokens, history, judged)
     judge_count -= done
     if learn:
+        # the yields' per-step decay (the branches' too)
         count_totals(totals, branch_decay, lane_tokens, lane_accepted, count, accepted.sum() - lane_accepted)
         observe_chains(trials, hits, draft_decay ** done, row_of_key_len, judged[2, :done], judged[0, :done],
                        judged[1, :done])

@@ -46,7 +46,8 @@ uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 (docs/results/host-time.md)."""
 assert text_kernels.MAX_POSITIONS == MAX_POSITIONS
 MIN_HEADS = 1 << 12
-"""Cells of the own texts' chains' table at first (it doubles as it fills)."""
+"""Cells of the own texts' chains' table at first (rebuilt, where it fills, to four cells
+per running text token)."""
 
 
 TOKEN_BYTES = 4
@@ -177,8 +178,8 @@ class TenantTexts:
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:
         """A new request: its prompt is the first text it matches in; its answer is
         kept for its tenant's other requests, running and later. Returns its
-        text id and the owner of the places in its own text, as the step's kernel takes
-        them (:meth:`ids`): its own text's run id, a new one."""
+        text id and its own text's run id (a new one), as the step's kernel takes them
+        (:meth:`ids`)."""
         cache = self._tenants.get(tenant)
         if cache is None:
             cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
@@ -206,9 +207,10 @@ class TenantTexts:
     def make_room(self, texts: np.ndarray, num_tokens: np.ndarray) -> None:
         """Grow the texts ``texts`` that ``num_tokens`` would overflow, with them those
         within a quarter of their room, and the answers' places' arena and the chains'
-        table for the keys they add (where the step's kernel found no room). The batch's texts fill up each at its own step, a
-        few tokens a step: grown one at a time, a batch of 32 found a text short, and ran
-        the kernel twice, in one step in six (at 128: one in two)."""
+        table for the keys they add (where the step's kernel found no room). The batch's
+        texts fill up each at its own step, a few tokens a step: grown one at a time, a
+        batch of 32 found a text short, and ran the kernel twice, in one step in six (at
+        128: one in two)."""
         capacities = self.capacities[texts]
         for i in np.flatnonzero(4 * num_tokens > 3 * capacities).tolist():
             self._place(int(texts[i]), 2 * max(int(num_tokens[i]), int(capacities[i])))

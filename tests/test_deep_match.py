@@ -70,17 +70,18 @@ def test_drafts_equal_a_scan_of_the_own_text_and_the_answers(vocab: int) -> None
     assert drafted > 50
 
 
-def test_the_own_texts_chains_draft_as_the_scan_while_texts_move_and_the_table_is_rebuilt(monkeypatch) -> None:
+def test_the_own_texts_chains_draft_as_the_scan_while_texts_move_and_the_table_grows(monkeypatch) -> None:
     """Requests come and go, several at once, in a small vocabulary: every draft from the
     own text (answers off) equals the scan's, while the texts outgrow their segments (their
-    chains move with them), the store is compacted and the chains' table, started tiny, is
-    rebuilt (stopped runs' cells dropped) again and again."""
+    chains move with them), the store is compacted and the chains' table, started tiny,
+    grows; a stopped request's cells are deleted: the table holds exactly the running
+    texts' keys, each where a lookup finds it."""
     monkeypatch.setattr(deep_match, "MIN_HEADS", 8)
     rng = np.random.default_rng(7)
     texts = TenantTexts(answer_bytes=0, max_tenants=4, key_len=KEY_LEN)
     tables, stores = {id(texts.heads)}, {id(texts.store)}
     running: dict[str, tuple[np.ndarray, int]] = {}
-    drafted = 0
+    drafted = stopped = 0
     for serial in range(60):
         whole = rng.integers(0, 4, 600).astype(np.int32)
         prompt_len = int(rng.integers(3, 40))
@@ -96,9 +97,14 @@ def test_the_own_texts_chains_draft_as_the_scan_while_texts_move_and_the_table_i
             if num_tokens == len(whole) or rng.random() < 0.05:
                 texts.stop(name)
                 del running[name]
+                stopped += 1
         tables.add(id(texts.heads))
         stores.add(id(texts.store))
-    assert drafted > 500 and len(tables) > 3 and len(stores) > 1, (drafted, len(tables), len(stores))
+        keys = {(texts.text_of(name), tuple(whole[e - KEY_LEN + 1 : e + 1])) for name, (whole, num_tokens) in
+                running.items() for e in range(KEY_LEN - 1, num_tokens - 1)}
+        assert int(texts.heads_used[0]) == int(np.count_nonzero(texts.heads)) == len(keys)
+        assert {int(cell) >> 32 for cell in texts.heads[texts.heads != 0]} <= {text for text, _ in keys}
+    assert drafted > 500 and stopped > 20 and len(tables) > 3 and len(stores) > 1, (drafted, stopped, tables, stores)
     assert texts.heads_used[0] <= len(texts.heads) // 2
 
 
@@ -185,7 +191,7 @@ def test_a_short_text_grows_the_batchs_texts_within_a_quarter_of_their_room_and_
     it (to twice their room), the others not; the tokens stay where the texts say."""
     texts = TenantTexts(answer_bytes=1 << 20, max_tenants=4, key_len=KEY_LEN)
     prompts = {name: np.arange(10, dtype=np.int32) + 100 * i for i, name in enumerate(("full", "near", "far"))}
-    ids = np.array([texts.start(name, None, prompt)[0] for name, prompt in prompts.items()])
+    ids = np.array([texts.start(name, None, prompt) for name, prompt in prompts.items()])
     room = int(texts.capacities[ids[0]])
     assert (texts.capacities[ids] == room).all()
     lengths = np.array([room + 1, room * 3 // 4 + 1, room * 3 // 4])

@@ -20,7 +20,7 @@ def settle_reference(draft_len: int, origins: list[int], taken: int, verified: i
 def test_settle_counts_what_vllm_accepted_of_each_last_draft_by_origin():
     rng = np.random.default_rng(3)
     table = RequestTable(max_draft=6, capacity=2)  # grows as requests come
-    slots = [table.add(f"r{i}", np.full(4, -1), 10, 0) for i in range(9)]
+    slots = [table.add(f"r{i}", np.full(3, -1), 10, 0) for i in range(9)]
     for _ in range(200):
         for slot in slots:
             table.draft_len[slot] = rng.integers(0, 7)
@@ -41,7 +41,7 @@ def test_settle_counts_what_vllm_accepted_of_each_last_draft_by_origin():
 
 def test_kept_drafts_are_what_the_next_settle_counts_and_the_metrics_count_them_as_proposed():
     table, metrics = RequestTable(max_draft=4, capacity=1), FafoMetrics()
-    slots = np.array([table.add(req_id, np.full(4, -1), 5, 0) for req_id in "abc"], dtype=np.int64)
+    slots = np.array([table.add(req_id, np.full(3, -1), 5, 0) for req_id in "abc"], dtype=np.int64)
     prompt, lane, pad = (ORIGIN_CODE[o] for o in (Origin.PROMPT, Origin.LANE, Origin.PAD))
     origins = np.array([[prompt, lane, prompt, 0], [pad, pad, 0, 0], [lane, 0, 0, 0]], dtype=np.int32)
     table.keep(slots[[2, 0, 1]], origins, np.array([3, 2, 0]), metrics)

@@ -28,7 +28,7 @@ class RequestTable:
         self.slot_of: dict[str, int] = {}
         self.max_draft = max(1, max_draft)
         self._free: list[int] = []
-        self.owners = np.zeros((0, 4), dtype=np.int64)
+        self.owners = np.zeros((0, 3), dtype=np.int64)
         """The request's ids in the draft index (:meth:`~vllm_fafo.drafting.index.DraftIndex.owners`)."""
         self.prompt_len = np.zeros(0, dtype=np.int64)
         self.next_anchor = np.zeros(0, dtype=np.int64)
@@ -47,7 +47,7 @@ class RequestTable:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.prompt_len)
-        self.owners = np.concatenate([self.owners, np.full((capacity - old, 4), -1, dtype=np.int64)])
+        self.owners = np.concatenate([self.owners, np.full((capacity - old, 3), -1, dtype=np.int64)])
         for name in ("prompt_len", "next_anchor", "draft_len"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(capacity - old, dtype=np.int64)]))
         self.draft_origins = np.concatenate(

@@ -46,8 +46,8 @@ uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 (docs/results/host-time.md)."""
 assert text_kernels.MAX_POSITIONS == MAX_POSITIONS
 MIN_HEADS = 1 << 12
-"""Cells of the own texts' chains' table at first (rebuilt, where it fills, to four cells
-per running text token)."""
+"""Cells of the own texts' chains' table at first (it grows where it would be more than
+half full)."""
 
 
 TOKEN_BYTES = 4
@@ -70,8 +70,6 @@ class _Tenant:
 class _Running:
     tenant: str | None
     text: int
-    run: int
-    """Its own text's chain's id (never reused: a stopped run's cells are left behind)."""
 
 
 class TenantTexts:
@@ -99,11 +97,10 @@ class TenantTexts:
         """Beside each token of a running request's own text that ends a key: where the
         key ended before in that text (-1: nowhere), the own texts' chains."""
         self.heads = np.zeros(MIN_HEADS, dtype=np.int64)
-        """The own texts' chains' heads: open addressing on (run id, key), a cell holding
-        the run id and the key's latest end (:func:`~vllm_fafo.drafting.text_kernels.file_own`)."""
+        """The running texts' chains' heads: open addressing on (text id, key), a cell holding
+        the text id and the key's latest end (:func:`~vllm_fafo.drafting.text_kernels.file_own`)."""
         self.heads_used = np.zeros(1, dtype=np.int64)
-        """Cells of :attr:`heads` filled (stopped runs' included, until a rebuild)."""
-        self._next_run = 1
+        """Cells of :attr:`heads` filled."""
         self._store_end = 0
         self.starts = np.zeros(64, dtype=np.int64)
         self.lengths = np.zeros(64, dtype=np.int64)
@@ -178,8 +175,7 @@ class TenantTexts:
     def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:
         """A new request: its prompt is the first text it matches in; its answer is
         kept for its tenant's other requests, running and later. Returns its
-        text id and its own text's run id (a new one), as the step's kernel takes them
-        (:meth:`ids`)."""
+        text id, as the step's kernel takes it (:meth:`text_of`)."""
         cache = self._tenants.get(tenant)
         if cache is None:
             cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
@@ -188,21 +184,19 @@ class TenantTexts:
             self._evict(tenant, req_id)
         prompt = np.ascontiguousarray(prompt, dtype=np.int32)
         text = self._new_text(prompt)
-        run, self._next_run = self._next_run, self._next_run + 1
         self._make_heads_room(len(prompt))
         text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, self.starts[text], 0, len(prompt),
-                               self.key_len, run)
+                               self.key_len, text)
         cache.kept[req_id] = text
-        self._running[req_id] = _Running(tenant, text, run)
+        self._running[req_id] = _Running(tenant, text)
         if self.answer_bytes:
             self.answers_of[text] = cache.answers
         self._drop_idle_tenants()
-        return text, run
+        return text
 
-    def ids(self, req_id: str) -> tuple[int, int]:
-        """A running request's text id and its own text's run id."""
-        running = self._running[req_id]
-        return running.text, running.run
+    def text_of(self, req_id: str) -> int:
+        """A running request's text id."""
+        return self._running[req_id].text
 
     def make_room(self, texts: np.ndarray, num_tokens: np.ndarray) -> None:
         """Grow the texts ``texts`` that ``num_tokens`` would overflow, with them those
@@ -220,39 +214,34 @@ class TenantTexts:
 
     def _make_heads_room(self, cells: int) -> None:
         """Room for ``cells`` more cells in the chains' table, kept at most half full: where it
-        lacks it, a table of at least four times the running texts' tokens and ``cells``,
-        the running texts chained again (stopped runs' cells dropped)."""
-        if self.heads_used[0] + cells <= len(self.heads) // 2:
+        lacks it, a table of four times the cells it will hold, the cells moved in."""
+        needed = int(self.heads_used[0]) + cells
+        if needed <= len(self.heads) // 2:
             return
-        running = [(int(self.starts[r.text]), int(self.lengths[r.text]), r.run) for r in self._running.values()]
-        needed = 4 * (sum(length for _, length, _ in running) + cells)
-        self.heads = np.zeros(max(MIN_HEADS, 1 << (needed - 1).bit_length()), dtype=np.int64)
-        self.heads_used[0] = 0
-        for start, length, run in running:
-            text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, start, 0, length, self.key_len,
-                                   run)
+        old, self.heads = self.heads, np.zeros(1 << (4 * needed - 1).bit_length(), dtype=np.int64)
+        text_kernels.rehash_own(old, self.heads, self.store, self.starts, self.key_len)
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length (one
         request; the step drafts every request inside its kernel)."""
-        text, run = self.ids(req_id)
+        text = self.text_of(req_id)
         answers = int(self.answers_of[text])
         self.make_room(np.array([text]), np.array([num_tokens]))
-        self.feed(text, run, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
+        self.feed(text, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
         found, end, depth = text_kernels.deep_match(
             self.positions.state, self.heads, self.prev, self.store, self.starts, self.lengths, context, len(context),
-            self.key_len, run, answers, text)
+            self.key_len, answers, text)
         if depth == 0:
             return [], 0
         start = int(self.starts[found]) + end + 1
         stop = int(self.starts[found] + self.lengths[found])
         return self.store[start : min(stop, start + room)].tolist(), depth
 
-    def feed(self, text: int, run: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
+    def feed(self, text: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
         """Append ``history[fed:num_tokens]`` to the text and file its new keys (room ensured)."""
         fed = int(self.lengths[text])
         if num_tokens <= fed:
@@ -260,7 +249,7 @@ class TenantTexts:
         start = int(self.starts[text])
         self.store[start + fed : start + num_tokens] = history[fed:num_tokens]
         text_kernels.feed_text(self.positions.state, self.heads, self.heads_used, self.prev, self.store, start, fed,
-                               num_tokens, self.key_len, run, answers, text, np.zeros(2, dtype=np.int32))
+                               num_tokens, self.key_len, answers, text, np.zeros(2, dtype=np.int32))
         self.lengths[text] = num_tokens
 
     def stop(self, req_id: str) -> None:
@@ -271,6 +260,8 @@ class TenantTexts:
             return
         cache = self._tenants[running.tenant]
         text = running.text
+        text_kernels.forget_own(self.heads, self.heads_used, self.store, self.starts, self.lengths[text], self.key_len,
+                                text)
         if self.answers_of[text] < 0:  # its answer is not kept for later requests
             if cache.kept.get(req_id) == text:
                 self._evict(running.tenant, req_id)

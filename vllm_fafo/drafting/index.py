@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.config import FafoConfig
-from vllm_fafo.drafting import pool_kernels, step_kernel
+from vllm_fafo.drafting import pool_kernels, step_kernel, text_kernels
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.pool import (
     ORIGIN_CODE,
@@ -115,11 +115,11 @@ class DraftIndex:
 
     def owners(self, req_id: str, target: RequestPool) -> np.ndarray:
         """A running request's ids in the index, as :meth:`draft_batch` takes them: its
-        pool's owner and its tag there, its text and its own text's run id (-1: none)."""
-        ids = np.full(4, -1, dtype=np.int64)
+        pool's owner and its tag there, its text (-1: none)."""
+        ids = np.full(3, -1, dtype=np.int64)
         ids[:2] = target.pool.owner, target.tag
         if self.texts is not None:
-            ids[2:] = self.texts.ids(req_id)
+            ids[2] = self.texts.text_of(req_id)
         return ids
 
     def nbytes(self) -> int:
@@ -237,3 +237,6 @@ def load_kernels(config: FafoConfig) -> None:
     file_each_in([target], [([1, 2], (3, 4))], Origin.LANE)
     list(alternatives_in(target, [1, 2]))
     index.stop("warm-up", target, 32, int(anchors[0]))
+    texts = index.texts
+    if texts is not None:  # what growing the own texts' chains' table runs
+        text_kernels.rehash_own(texts.heads, np.zeros_like(texts.heads), texts.store, texts.starts, texts.key_len)

@@ -156,7 +156,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     token votes where the pools rank by votes. ``texts``: the deep matches' (answers' places
     arena, own texts' chains: heads, cells used and ``prev``, store, text starts, lengths,
     capacities, answers owner by text, key length, on); request i's text is
-    ``owners[s, 2]``, its run id (its chain's) ``owners[s, 3]``, fed up to ``num_tokens``.
+    ``owners[s, 2]``, fed up to ``num_tokens``.
     Writes rows ``:len(rows)`` of ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the
     deep match's depth, else the first piece's key, 0
     for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
@@ -200,20 +200,20 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
         first = True
         # the deep match: feed the text, match its end
         if deep_on:
-            text, run = owners[s, 2], owners[s, 3]
+            text = owners[s, 2]
             fed = t_len[text]
             for j in range(fed, n_tok):
                 store[t_start[text] + j] = hist[j]
             if n_tok > fed:
-                feed_text(pos, heads, heads_used, prev, store, t_start[text], fed, n_tok, deep_key, run,
-                          t_answers[text], text, place)
+                feed_text(pos, heads, heads_used, prev, store, t_start[text], fed, n_tok, deep_key, t_answers[text],
+                          text, place)
                 t_len[text] = n_tok
             if room > 0:
                 k0 = max(0, n_tok - MATCH_DEPTH)
                 for j in range(n_tok - k0):
                     context[j] = hist[k0 + j]
                 found, end, depth = deep_match(pos, heads, prev, store, t_start, t_len, context, n_tok - k0,
-                                               deep_key, run, t_answers[text], text)
+                                               deep_key, t_answers[text], text)
                 if depth > 0:
                     first_key, first = depth, False
                     src = t_start[found] + end + 1

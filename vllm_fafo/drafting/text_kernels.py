@@ -6,15 +6,16 @@ once it finishes) live in one int32 store, each a segment (``start``,
 room. Where each ``key_len``-token key of a text ended is filed twice:
 
 - in the request's own text, as a hash chain: a table of heads (``heads``,
-  open addressing on the request's run id and the key; a cell holds the run id
-  and the key's latest end) and, beside each token of the store, the end
-  before it of the same key (``prev``, -1: none). A running text's positions
+  open addressing with linear probing on the text id and the key; a cell holds
+  the text id and the key's latest end) and, beside each token of the store, the
+  end before it of the same key (``prev``, -1: none). A running text's positions
   are never removed, so the chain's first ``MAX_POSITIONS`` are the latest ones;
-  a stopped run's cells are left behind and dropped where the table is rebuilt
-  (:meth:`~vllm_fafo.drafting.deep_match.TenantTexts.make_room`). A position
-  costs a cell and an int32 where a key filed in an arena cost a key row, a
-  candidate row and their lists: filing the own positions there was half of the
-  feeding's time (docs/results/host-time.md);
+  its cells are deleted when its request stops (:func:`forget_own`, shifting the
+  cells after each back: no tombstones, no rebuild), and the table doubles where
+  it would be more than half full (:func:`rehash_own`). A position costs a cell
+  and an int32 where a key filed in an arena cost a key row, a candidate row and
+  their lists: filing the own positions there was half of the feeding's time
+  (docs/results/host-time.md);
 - under its tenant's answers owner, the places (text id, position) in every
   answer kept, in a :class:`~vllm_fafo.drafting.pool.PoolArena` of fixed-length
   keys (the pool kernels), each key the latest ``MAX_POSITIONS``, the oldest
@@ -50,16 +51,16 @@ _END_MASK = np.int64((1 << 32) - 1)
 
 
 @njit(cache=True, inline="always")
-def _own_cell(heads, run, tokens, k0, key_len, store, start):
-    """The cell of run ``run``'s key ``tokens[k0:k0+key_len]`` in ``heads`` (its text at
+def _own_cell(heads, text, tokens, k0, key_len, store, start):
+    """The cell of text ``text``'s key ``tokens[k0:k0+key_len]`` in ``heads`` (the text at
     ``store[start:]``), and whether it holds the key (else it is the empty cell to fill)."""
     mask = len(heads) - 1
-    i = hash_key(run, tokens, k0, key_len) & mask
+    i = hash_key(text, tokens, k0, key_len) & mask
     while True:
         cell = heads[i]
         if cell == 0:
             return i, False
-        if cell >> _END_BITS == run:
+        if cell >> _END_BITS == text:
             end = (cell & _END_MASK) - 1
             same = True
             for j in range(key_len):
@@ -72,36 +73,80 @@ def _own_cell(heads, run, tokens, k0, key_len, store, start):
 
 
 @njit(cache=True, inline="always")
-def file_own(heads, used, prev, store, start, end, key_len, run):
-    """Chain the key ending at ``end`` of run ``run``'s text (at ``store[start:]``): its
-    cell takes ``end``, ``prev`` beside it the key's end before (-1: none)."""
-    i, held = _own_cell(heads, run, store, start + end - key_len + 1, key_len, store, start)
+def _home(heads, cell, store, t_start, key_len):
+    """Where a cell's key hashes to (its text's tokens read from the store)."""
+    text, end = cell >> _END_BITS, (cell & _END_MASK) - 1
+    return hash_key(text, store, t_start[text] + end - key_len + 1, key_len) & (len(heads) - 1)
+
+
+@njit(cache=True, inline="always")
+def file_own(heads, used, prev, store, start, end, key_len, text):
+    """Chain the key ending at ``end`` of text ``text`` (at ``store[start:]``): its cell
+    takes ``end``, ``prev`` beside it the key's end before (-1: none)."""
+    i, held = _own_cell(heads, text, store, start + end - key_len + 1, key_len, store, start)
     if held:
         prev[start + end] = (heads[i] & _END_MASK) - 1
     else:
         prev[start + end] = -1
         used[0] += 1
-    heads[i] = (np.int64(run) << _END_BITS) | np.int64(end + 1)
+    heads[i] = (np.int64(text) << _END_BITS) | np.int64(end + 1)
 
 
 @njit(cache=True)
-def index_own(heads, used, prev, store, start, old_len, new_len, key_len, run):
-    """Chain the keys of run ``run``'s text (at ``store[start:]``) that got their following
+def index_own(heads, used, prev, store, start, old_len, new_len, key_len, text):
+    """Chain the keys of text ``text`` (at ``store[start:]``) that got their following
     token when it grew from ``old_len`` to ``new_len`` tokens (a prompt: from 0)."""
     first = max(0, old_len - key_len)
     for end in range(first + key_len - 1, new_len - 1):
-        file_own(heads, used, prev, store, start, end, key_len, run)
+        file_own(heads, used, prev, store, start, end, key_len, text)
+
+
+@njit(cache=True)
+def forget_own(heads, used, store, t_start, length, key_len, text):
+    """Delete the cells of text ``text``'s chains (its first ``length`` tokens fed), each
+    gap closed by moving the cells after it back where their key allows (linear
+    probing's deletion: the table stays as if they had never been filed)."""
+    mask = len(heads) - 1
+    start = t_start[text]
+    for end in range(key_len - 1, length - 1):
+        i, held = _own_cell(heads, text, store, start + end - key_len + 1, key_len, store, start)
+        if not held:
+            continue  # a later end of the same key's, deleted already
+        used[0] -= 1
+        j = i
+        while True:
+            j = (j + 1) & mask
+            cell = heads[j]
+            if cell == 0:
+                break
+            home = _home(heads, cell, store, t_start, key_len)
+            if (j - home) & mask >= (j - i) & mask:  # its home is at or before the gap: it may fill it
+                heads[i] = cell
+                i = j
+        heads[i] = 0
+
+
+@njit(cache=True)
+def rehash_own(old, heads, store, t_start, key_len):
+    """Move the cells of ``old`` into the empty, larger table ``heads``."""
+    mask = len(heads) - 1
+    for cell in old:
+        if cell != 0:
+            i = _home(heads, cell, store, t_start, key_len)
+            while heads[i] != 0:
+                i = (i + 1) & mask
+            heads[i] = cell
 
 
 @njit(cache=True, inline="always")
-def feed_text(pos, heads, used, prev, store, start, old_len, new_len, key_len, run, answers, text_id, place):
-    """File the keys of ``store[start:start+new_len]`` that got their following token
-    when the text grew from ``old_len`` to ``new_len`` tokens: each key's end in run
-    ``run``'s chain (:func:`file_own`) and, where ``answers`` >= 0, (``text_id``, end)
-    under ``answers``."""
+def feed_text(pos, heads, used, prev, store, start, old_len, new_len, key_len, answers, text_id, place):
+    """File the keys of ``store[start:start+new_len]`` (text ``text_id``) that got their
+    following token when the text grew from ``old_len`` to ``new_len`` tokens: each key's
+    end in the text's chain (:func:`file_own`) and, where ``answers`` >= 0, (``text_id``,
+    end) under ``answers``."""
     first = max(0, old_len - key_len)
     for end in range(first + key_len - 1, new_len - 1):
-        file_own(heads, used, prev, store, start, end, key_len, run)
+        file_own(heads, used, prev, store, start, end, key_len, text_id)
         if answers >= 0:
             k0 = start + end - key_len + 1
             place[0], place[1] = text_id, end
@@ -160,10 +205,10 @@ def _deepest_answer(pos, s, store, t_start, context, n_ctx, own_text, best):
 
 
 @njit(cache=True, inline="always")
-def _deepest_own(heads, prev, run, store, start, context, k0, key_len, n_ctx, own_text, best):
-    """``best`` after the latest ``MAX_POSITIONS`` ends of the context's key in run
-    ``run``'s own text (at ``store[start:]``), along its chain."""
-    i, held = _own_cell(heads, run, context, k0, key_len, store, start)
+def _deepest_own(heads, prev, store, start, context, k0, key_len, n_ctx, own_text, best):
+    """``best`` after the latest ``MAX_POSITIONS`` ends of the context's key in the own
+    text ``own_text`` (at ``store[start:]``), along its chain."""
+    i, held = _own_cell(heads, own_text, context, k0, key_len, store, start)
     end = (heads[i] & _END_MASK) - 1 if held else -1
     for _ in range(MAX_POSITIONS):
         if end < 0:
@@ -176,10 +221,10 @@ def _deepest_own(heads, prev, run, store, start, context, k0, key_len, n_ctx, ow
 
 
 @njit(cache=True, inline="always")
-def deep_match(pos, heads, prev, store, t_start, t_len, context, n_ctx, key_len, run, answers, own_text):
+def deep_match(pos, heads, prev, store, t_start, t_len, context, n_ctx, key_len, answers, own_text):
     """The deepest match of ``context[:n_ctx]``'s end at least ``key_len`` deep: in the
     kept answers (places under ``answers``, other texts than ``own_text``) and in the
-    own text (run ``run``'s chain), the own text on ties, then the latest place
+    own text (its chain), the own text on ties, then the latest place
     (:func:`_beats`). Returns (text id, end position, depth), depth 0 where none."""
     if n_ctx < key_len:
         return -1, -1, 0
@@ -188,7 +233,7 @@ def deep_match(pos, heads, prev, store, t_start, t_len, context, n_ctx, key_len,
     if answers >= 0:
         best = _deepest_answer(pos, find_slot(pos, answers, context, k0, key_len), store, t_start, context, n_ctx,
                                own_text, best)
-    best = _deepest_own(heads, prev, run, store, t_start[own_text], context, k0, key_len, n_ctx, own_text, best)
+    best = _deepest_own(heads, prev, store, t_start[own_text], context, k0, key_len, n_ctx, own_text, best)
     if best[2] < key_len:
         return -1, -1, 0
     return best[0], best[1], best[2]

@@ -172,7 +172,7 @@ class TenantTexts:
         return self._arguments
 
     # requests -------------------------------------------------------------------------
-    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> tuple[int, int]:
+    def start(self, req_id: str, tenant: str | None, prompt: np.ndarray) -> int:
         """A new request: its prompt is the first text it matches in; its answer is
         kept for its tenant's other requests, running and later. Returns its
         text id, as the step's kernel takes it (:meth:`text_of`)."""

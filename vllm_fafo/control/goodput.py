@@ -770,8 +770,8 @@ class GoodputController:
         tokens, seconds, the curve that prices plain steps, its points and the lane curve's,
         whether the next step is priced with lanes, ``step_tokens``, whether the step's
         observation moves the plain curve, ``lane_tokens``) and the next step's lane question
-        (:meth:`choose_lanes`, asked in the kernel where the last step asked one: lanes per
-        token, requests with lanes, decoding requests and most lanes as last asked, the
+        (:meth:`choose_lanes`, asked in the kernel where the last step asked one: tokens per
+        lane, requests with lanes, decoding requests and most lanes as last asked, the
         probe due, the probe run anyway), whose answer :meth:`finish_step` keeps."""
         observed_curve = 2 if tree_tokens else 1 if lane_tokens else 0  # as _curve_of
         observed = self._curve_of(lane_tokens, tree_tokens)

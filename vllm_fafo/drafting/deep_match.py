@@ -214,7 +214,7 @@ class TenantTexts:
 
     def _make_heads_room(self, cells: int) -> None:
         """Room for ``cells`` more cells in the chains' table, kept at most half full: where it
-        lacks it, a table of four times the cells it will hold, the cells moved in."""
+        lacks it, a table of at least four times the cells it will hold, the cells moved in."""
         needed = int(self.heads_used[0]) + cells
         if needed <= len(self.heads) // 2:
             return

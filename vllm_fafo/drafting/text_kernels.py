@@ -11,8 +11,8 @@ room. Where each ``key_len``-token key of a text ended is filed twice:
   end before it of the same key (``prev``, -1: none). A running text's positions
   are never removed, so the chain's first ``MAX_POSITIONS`` are the latest ones;
   its cells are deleted when its request stops (:func:`forget_own`, shifting the
-  cells after each back: no tombstones, no rebuild), and the table doubles where
-  it would be more than half full (:func:`rehash_own`). A position costs a cell
+  cells after each back: no tombstones, no rebuild), and the table grows to at
+  least four times its cells where it would be more than half full (:func:`rehash_own`). A position costs a cell
   and an int32 where a key filed in an arena cost a key row, a candidate row and
   their lists: filing the own positions there was half of the feeding's time
   (docs/results/host-time.md);

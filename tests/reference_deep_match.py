@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_fafo.drafting.deep_match import MATCH_DEPTH, MAX_POSITIONS
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH, MAX_POSITIONS, TOKEN_BYTES
 
 
 class TextIndex:
@@ -112,7 +112,9 @@ class TextCache:
     The answers' places are kept compact, since a tenant keeps up to thousands of
     answers: a key is filed under its hash (a collision shows as a match less than
     ``key_len`` deep and is never drafted), a place is one int (the answer's number
-    and the position, packed), and a key with one place holds that int, not a list."""
+    and the position, packed), and a key with one place holds that int, not a list.
+    A key's places are its latest ``MAX_POSITIONS`` filed; a lookup takes those filed
+    after the latest whose answer was forgotten."""
 
     def __init__(self, key_len: int, keep_answers: bool) -> None:
         self.key_len = key_len
@@ -161,26 +163,9 @@ class TextCache:
             self.evict_cached_response(req_id)
 
     def evict_cached_response(self, req_id: str) -> None:
-        """Forget a request's answer (its places included)."""
-        index, answer_start, number = self._answers.pop(req_id)
+        """Forget a request's answer: its places end the lookups that reach them."""
+        _, _, number = self._answers.pop(req_id)
         del self._numbered[number]
-        places = self._answer_places
-        first = max(0, answer_start - self.key_len)
-        for _, key in keys_ending(index.text[first : len(index) - 1], self.key_len, first):
-            key_hash = hash(key)
-            held = places.get(key_hash)
-            if isinstance(held, int):
-                if held >> 32 == number:
-                    del places[key_hash]
-            elif held is not None:
-                kept = tuple(place for place in held if place >> 32 != number)
-                if kept:
-                    places[key_hash] = kept
-                else:
-                    del places[key_hash]
-
-    def num_keys(self) -> int:
-        return len(self._answer_places)
 
     def speculate(self, req_id: str, context: np.ndarray, max_spec_tokens: int) -> TextDraft:
         """The continuation (up to ``max_spec_tokens``) of the deepest match of
@@ -193,8 +178,13 @@ class TextCache:
         key = tuple(context[-self.key_len :].tolist())
         held = self._answer_places.get(hash(key), ())
         own_number = self._answers[req_id].number
+        live = []
+        for place in reversed((held,) if isinstance(held, int) else held):
+            if place >> 32 not in self._numbered:  # forgotten: the places before it are not looked at
+                break
+            live.append(place)
         places = [(self._answers[self._numbered[place >> 32]].index.text, place & 0xFFFFFFFF)
-                  for place in ((held,) if isinstance(held, int) else held) if place >> 32 != own_number]
+                  for place in reversed(live) if place >> 32 != own_number]
         places += [(own.text, end) for end in own.ends_of(key)]  # last: the own text wins ties
         if not places:
             return TextDraft([], 0)
@@ -219,7 +209,7 @@ class TenantTexts:
     """One :class:`TextCache` per tenant; requests start, grow, draft and stop here.
 
     The finished answers kept for later requests are bounded per tenant in bytes
-    (``answer_bytes``; each charged 4 bytes per token of its text and ``place_bytes``
+    (``answer_bytes``; each charged ``TOKEN_BYTES`` per token of its text and ``place_bytes``
     per answer token; the earliest finished evicted first); at most ``max_tenants``
     tenants (the least recently used one without running requests is dropped).
     ``key_len``: the shortest match drafted."""
@@ -271,7 +261,7 @@ class TenantTexts:
         self._caches[running.tenant].stop_request(req_id)
         if self.answer_bytes:
             finished = self._finished[running.tenant]
-            finished[req_id] = 4 * running.fed + self.place_bytes * (running.fed - running.prompt_len)
+            finished[req_id] = TOKEN_BYTES * running.fed + self.place_bytes * (running.fed - running.prompt_len)
             while sum(finished.values()) > self.answer_bytes:
                 self._evict(running.tenant, next(iter(finished)))
         self._drop_idle_tenants()

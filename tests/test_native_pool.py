@@ -271,7 +271,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     assert all(drafted[origin] > 0 for origin in ("prompt", "output", "shared", "deep_match", "prior")), drafted
     kept = index.texts.num_kept_answers()
     assert kept == ref_texts.num_kept_answers()
-    assert kept == {0: 0, 40_000: 4 + len(live), 1 << 20: serial}[answer_bytes], (kept, len(live))
+    assert kept == {0: 0, 40_000: 6 + len(live), 1 << 20: serial}[answer_bytes], (kept, len(live))
     for tenant in "ab":
         assert index.texts.charged_bytes(tenant) == ref_texts.charged_bytes(tenant)
         pool, ref = index.shared.pool_for(tenant), shared_refs.pool_for(tenant)

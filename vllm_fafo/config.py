@@ -98,10 +98,10 @@ class FafoConfig:
     tenant_answers_mib: int = 16
     """MiB of earlier requests' answers (outputs) kept per tenant for deep matches
     (vllm_fafo.drafting.deep_match; the earliest finished is dropped): an answer is charged
-    its text's tokens (4 bytes each) and about 0.1 kB per answer token for its places
-    (``TenantTexts.answer_charge``); 16 MiB holds ~690 answers of 250 tokens after 100-token
-    prompts. At most ``shared_pool_tenants`` tenants are kept. 0, or ``share_pool`` false: each
-    request matches in its own text only."""
+    its text's tokens (16 bytes each: the token and its chains' links) and 64 bytes per answer
+    token for its chain cell (``TenantTexts.answer_charge``); 16 MiB holds ~776 answers of 250
+    tokens after 100-token prompts. At most ``shared_pool_tenants`` tenants are kept. 0, or
+    ``share_pool`` false: each request matches in its own text only."""
     pad_drafts: bool = False
     """Give every decoding request of a step the same number of draft tokens, its found
     draft filled up with filler tokens (the draft's last token repeated, the text's where

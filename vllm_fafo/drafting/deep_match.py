@@ -5,11 +5,10 @@ so a lookup cannot tell a continuation that followed the same 3 tokens by
 chance from one that followed the same 20: both are "found under a 3-token
 key", and the goodput controller cuts both drafts alike. Deep matches look
 up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does:
-every ``key_len``-token key of a text is filed with the latest
-``MAX_POSITIONS`` places it ended, in the request's own text (a hash chain)
-and in the answers (outputs) its tenant's requests gave, running and
-finished (a :class:`~vllm_fafo.drafting.pool.PoolArena`); a lookup
-compares the tokens before each place of the text's last ``key_len`` tokens
+every ``key_len``-token key of a text is chained through the places it
+ended, in the request's own text and in the answers (outputs) its tenant's
+requests gave, running and finished (hash chains, one table of heads); a
+lookup compares, for the latest ``MAX_POSITIONS`` places in each, the tokens before each place of the text's last ``key_len`` tokens
 with the text's end, up to ``MATCH_DEPTH`` back, and drafts the continuation
 of the deepest match (the request's own text on ties, then the latest), with
 the depth as the goodput controller's evidence.
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_fafo.drafting import step_kernel, text_kernels
-from vllm_fafo.drafting.pool import PoolArena
 from vllm_fafo.step_arrays import same_or_new
 
 MATCH_DEPTH = 24
@@ -46,18 +44,21 @@ uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 (docs/results/host-time.md)."""
 assert text_kernels.MAX_POSITIONS == MAX_POSITIONS
 MIN_HEADS = 1 << 12
-"""Cells of the own texts' chains' table at first (it grows where it would be more than
-half full)."""
-
-
-TOKEN_BYTES = 4
-"""A text's token in the store (int32)."""
+"""Cells of the chains' table at first (it grows where it would be more than half full)."""
+MAX_TEXT_TOKENS = 1 << text_kernels.LINK_BITS
+"""Tokens a text may have, and text ids (an answers' chain's link packs both)."""
+TOKEN_BYTES = 16
+"""A text's token in the store (int32), its own chain's ``prev`` (int32) and its answers'
+chain's link (int64)."""
+PLACE_BYTES = 64
+"""An answer token's cell in the chains' table, at the table's emptiest (an eighth full:
+it grows fourfold where it would be more than half full); an upper bound, keys repeat."""
 
 
 @dataclass
 class _Tenant:
     answers: int
-    """The owner id its answers' places are filed under."""
+    """The owner id its answers' chains are keyed by (never reused)."""
     kept: dict[str, int] = field(default_factory=dict)
     """Request id -> text id of each answer kept (running requests' included)."""
     finished: OrderedDict[str, int] = field(default_factory=OrderedDict)
@@ -78,27 +79,27 @@ class TenantTexts:
 
     The finished answers kept for later requests are bounded per tenant in bytes
     (``answer_bytes``, the earliest finished evicted first; 0: a request matches in
-    its own text only): a finished answer is charged its text's tokens and a filed
-    place per answer token (:meth:`answer_charge`); running requests' answers are kept
-    uncharged until they stop. At most ``max_tenants`` tenants (the least recently used
+    its own text only): a finished answer is charged its text's tokens and a chain
+    cell per answer token (:meth:`answer_charge`); running requests' answers are kept
+    uncharged until they stop. A forgotten answer's places end the lookups that reach
+    them (:mod:`~vllm_fafo.drafting.text_kernels`). At most ``max_tenants`` tenants (the least recently used
     one without running requests is dropped). ``key_len``: the shortest match drafted."""
 
     def __init__(self, answer_bytes: int, max_tenants: int, key_len: int) -> None:
         self.key_len = key_len
         self.answer_bytes = answer_bytes
         self.max_tenants = max_tenants
-        self.positions = PoolArena(key_len, MAX_POSITIONS, min_key_len=key_len, touch_on_lookup=False,
-                                   rank="recency", candidate_len=2)
-        """Where each key ended in the answers: (text id, position)."""
-        self.place_bytes = self.positions.bytes_per_key(candidates=1)
-        """Bytes an answer token's place takes where its key is new (an upper bound: keys repeat)."""
+        self.place_bytes = PLACE_BYTES
         self.store = np.zeros(1 << 14, dtype=np.int32)
         self.prev = np.full(len(self.store), -1, dtype=np.int32)
         """Beside each token of a running request's own text that ends a key: where the
         key ended before in that text (-1: nowhere), the own texts' chains."""
+        self.links = np.full(len(self.store), -1, dtype=np.int64)
+        """Beside each token of a kept answer that ends a key: the place (generation, text id,
+        end) the key ended before in its tenant's answers (-1: none), the answers' chains."""
         self.heads = np.zeros(MIN_HEADS, dtype=np.int64)
-        """The running texts' chains' heads: open addressing on (text id, key), a cell holding
-        the text id and the key's latest end (:func:`~vllm_fafo.drafting.text_kernels.file_own`)."""
+        """The chains' heads: open addressing on (text id or answers owner, key), a cell
+        holding a text id and the key's latest end there (:mod:`~vllm_fafo.drafting.text_kernels`)."""
         self.heads_used = np.zeros(1, dtype=np.int64)
         """Cells of :attr:`heads` filled."""
         self._store_end = 0
@@ -110,6 +111,9 @@ class TenantTexts:
         self.answers_of = np.full(64, -1, dtype=np.int64)
         """Each text's answers owner where it is an answer kept for its tenant (a running request
         files its new places there too), else -1."""
+        self.gens = np.zeros(64, dtype=np.int64)
+        """Times each text id was freed (a link into a text freed since is not followed)."""
+        self._next_owner = 0
         self._free_texts = list(range(63, -1, -1))
         self._tenants: OrderedDict[str | None, _Tenant] = OrderedDict()
         self._running: dict[str, _Running] = {}
@@ -119,7 +123,9 @@ class TenantTexts:
     def _new_text(self, tokens: np.ndarray) -> int:
         if not self._free_texts:
             size = len(self.starts)
-            for name in ("starts", "lengths", "capacities", "_answer_starts"):
+            if 2 * size > MAX_TEXT_TOKENS:
+                raise RuntimeError(f"vllm-fafo: more than {MAX_TEXT_TOKENS} texts kept for deep matches")
+            for name in ("starts", "lengths", "capacities", "_answer_starts", "gens"):
                 setattr(self, name, np.concatenate([getattr(self, name), np.zeros(size, dtype=np.int64)]))
             self.answers_of = np.concatenate([self.answers_of, np.full(size, -1, dtype=np.int64)])
             self._free_texts = list(range(2 * size - 1, size - 1, -1))
@@ -138,6 +144,7 @@ class TenantTexts:
         old = int(self.starts[text])
         self.store[start : start + length] = self.store[old : old + length]
         self.prev[start : start + length] = self.prev[old : old + length]
+        self.links[start : start + length] = self.links[old : old + length]
         self.starts[text], self.capacities[text] = start, capacity
         self._store_end += capacity
 
@@ -147,27 +154,30 @@ class TenantTexts:
         needed = sum(int(self.capacities[text]) for text in live) + room
         store = np.zeros(max(len(self.store), 2 * needed), dtype=np.int32)
         prev = np.full(len(store), -1, dtype=np.int32)
+        links = np.full(len(store), -1, dtype=np.int64)
         end = 0
         for text in live:
             start, length = int(self.starts[text]), int(self.lengths[text])
             store[end : end + length] = self.store[start : start + length]
             prev[end : end + length] = self.prev[start : start + length]
+            links[end : end + length] = self.links[start : start + length]
             self.starts[text] = end
             end += int(self.capacities[text])
-        self.store, self.prev, self._store_end = store, prev, end
+        self.store, self.prev, self.links, self._store_end = store, prev, links, end
 
     def _free_text(self, text: int) -> None:
         self.capacities[text] = self.lengths[text] = 0
         self.answers_of[text] = -1
+        self.gens[text] += 1
         self._free_texts.append(text)
 
     def kernel_arguments(self) -> tuple:
         """The texts as :func:`~vllm_fafo.drafting.step_kernel.file_and_draft` takes them
-        (answers' places, the own texts' chains' heads, cells used and ``prev``, store,
-        starts, lengths, capacities, answers owner by text, key length, on); the same tuple
-        while nothing grew."""
+        (the chains' heads, cells used, ``prev``, ``links`` and generations, store, starts,
+        lengths, capacities, answers owner by text, key length, on); the same tuple while
+        nothing grew."""
         self._arguments = same_or_new(self._arguments, (
-            self.positions.state, self.heads, self.heads_used, self.prev, self.store, self.starts, self.lengths,
+            self.heads, self.heads_used, self.prev, self.links, self.gens, self.store, self.starts, self.lengths,
             self.capacities, self.answers_of, self.key_len, True))
         return self._arguments
 
@@ -178,15 +188,16 @@ class TenantTexts:
         text id, as the step's kernel takes it (:meth:`text_of`)."""
         cache = self._tenants.get(tenant)
         if cache is None:
-            cache = self._tenants[tenant] = _Tenant(self.positions.new_owner())
+            cache = self._tenants[tenant] = _Tenant(self._next_owner)
+            self._next_owner += 1
         self._tenants.move_to_end(tenant)
         if req_id in cache.kept:  # a request id used again: its old answer must not draft for it
             self._evict(tenant, req_id)
         prompt = np.ascontiguousarray(prompt, dtype=np.int32)
         text = self._new_text(prompt)
         self._make_heads_room(len(prompt))
-        text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, self.starts[text], 0, len(prompt),
-                               self.key_len, text)
+        text_kernels.index_own(self.heads, self.heads_used, self.prev, self.store, self.starts, self.answers_of, 0,
+                               len(prompt), self.key_len, text)
         cache.kept[req_id] = text
         self._running[req_id] = _Running(tenant, text)
         if self.answer_bytes:
@@ -200,17 +211,18 @@ class TenantTexts:
 
     def make_room(self, texts: np.ndarray, num_tokens: np.ndarray) -> None:
         """Grow the texts ``texts`` that ``num_tokens`` would overflow, with them those
-        within a quarter of their room, and the answers' places' arena and the chains'
-        table for the keys they add (where the step's kernel found no room). The batch's
+        within a quarter of their room, and the chains' table for the keys they add (where
+        the step's kernel found no room). The batch's
         texts fill up each at its own step, a few tokens a step: grown one at a time, a
         batch of 32 found a text short, and ran the kernel twice, in one step in six (at
         128: one in two)."""
+        if len(num_tokens) and int(num_tokens.max()) > MAX_TEXT_TOKENS:
+            raise RuntimeError(f"vllm-fafo: deep matches take texts of at most {MAX_TEXT_TOKENS} tokens")
         capacities = self.capacities[texts]
         for i in np.flatnonzero(4 * num_tokens > 3 * capacities).tolist():
-            self._place(int(texts[i]), 2 * max(int(num_tokens[i]), int(capacities[i])))
+            self._place(int(texts[i]), min(MAX_TEXT_TOKENS, 2 * max(int(num_tokens[i]), int(capacities[i]))))
         new_places = int(np.maximum(num_tokens - self.lengths[texts], 0).sum())
-        self.positions.reserve(new_places + 2, 2)
-        self._make_heads_room(new_places)
+        self._make_heads_room(2 * new_places)  # a cell in the own chains and one in the answers
 
     def _make_heads_room(self, cells: int) -> None:
         """Room for ``cells`` more cells in the chains' table, kept at most half full: where it
@@ -219,37 +231,36 @@ class TenantTexts:
         if needed <= len(self.heads) // 2:
             return
         old, self.heads = self.heads, np.zeros(1 << (4 * needed - 1).bit_length(), dtype=np.int64)
-        text_kernels.rehash_own(old, self.heads, self.store, self.starts, self.key_len)
+        text_kernels.rehash(old, self.heads, self.store, self.starts, self.answers_of, self.key_len)
 
     def draft(self, req_id: str, history: np.ndarray, num_tokens: int, room: int) -> tuple[list[int], int]:
         """Feed the tokens decoded since the last call, then draft up to ``room`` tokens
         after ``history[:num_tokens]``; returns the draft and its match length (one
         request; the step drafts every request inside its kernel)."""
         text = self.text_of(req_id)
-        answers = int(self.answers_of[text])
         self.make_room(np.array([text]), np.array([num_tokens]))
-        self.feed(text, answers, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
+        self.feed(text, np.ascontiguousarray(history, dtype=np.int32), num_tokens)
         if room <= 0:
             return [], 0
         context = np.ascontiguousarray(history[max(0, num_tokens - MATCH_DEPTH) : num_tokens], dtype=np.int32)
         found, end, depth = text_kernels.deep_match(
-            self.positions.state, self.heads, self.prev, self.store, self.starts, self.lengths, context, len(context),
-            self.key_len, answers, text)
+            self.heads, self.prev, self.links, self.gens, self.store, self.starts, self.answers_of, context,
+            len(context), self.key_len, text)
         if depth == 0:
             return [], 0
         start = int(self.starts[found]) + end + 1
         stop = int(self.starts[found] + self.lengths[found])
         return self.store[start : min(stop, start + room)].tolist(), depth
 
-    def feed(self, text: int, answers: int, history: np.ndarray, num_tokens: int) -> None:
+    def feed(self, text: int, history: np.ndarray, num_tokens: int) -> None:
         """Append ``history[fed:num_tokens]`` to the text and file its new keys (room ensured)."""
         fed = int(self.lengths[text])
         if num_tokens <= fed:
             return
         start = int(self.starts[text])
         self.store[start + fed : start + num_tokens] = history[fed:num_tokens]
-        text_kernels.feed_text(self.positions.state, self.heads, self.heads_used, self.prev, self.store, start, fed,
-                               num_tokens, self.key_len, answers, text, np.zeros(2, dtype=np.int32))
+        text_kernels.feed_text(self.heads, self.heads_used, self.prev, self.links, self.gens, self.store, self.starts,
+                               self.answers_of, fed, num_tokens, self.key_len, text)
         self.lengths[text] = num_tokens
 
     def stop(self, req_id: str) -> None:
@@ -260,8 +271,8 @@ class TenantTexts:
             return
         cache = self._tenants[running.tenant]
         text = running.text
-        text_kernels.forget_own(self.heads, self.heads_used, self.store, self.starts, self.lengths[text], self.key_len,
-                                text)
+        text_kernels.forget_own(self.heads, self.heads_used, self.store, self.starts, self.answers_of,
+                                self.lengths[text], self.key_len, text)
         if self.answers_of[text] < 0:  # its answer is not kept for later requests
             if cache.kept.get(req_id) == text:
                 self._evict(running.tenant, req_id)
@@ -277,7 +288,7 @@ class TenantTexts:
 
     def answer_charge(self, text_len: int, answer_len: int) -> int:
         """Bytes a finished answer is charged: its text's tokens (the prompt's too, which its
-        matches read back) and a place per answer token."""
+        matches read back) and a chain cell per answer token."""
         return TOKEN_BYTES * text_len + self.place_bytes * answer_len
 
     def clear(self) -> None:
@@ -287,10 +298,10 @@ class TenantTexts:
                 self._evict(tenant, req_id)
 
     def nbytes(self) -> int:
-        """Bytes of the texts' and places' arrays (allocated, used or not)."""
-        arrays = (self.store, self.prev, self.heads, self.starts, self.lengths, self.capacities,
-                  self._answer_starts, self.answers_of)
-        return self.positions.nbytes() + int(sum(a.nbytes for a in arrays))
+        """Bytes of the texts' and chains' arrays (allocated, used or not)."""
+        arrays = (self.store, self.prev, self.links, self.heads, self.starts, self.lengths, self.capacities,
+                  self._answer_starts, self.answers_of, self.gens)
+        return int(sum(a.nbytes for a in arrays))
 
     @property
     def num_tenants(self) -> int:
@@ -307,14 +318,11 @@ class TenantTexts:
         return 0 if cache is None else cache.charged
 
     def _evict(self, tenant: str | None, req_id: str) -> None:
-        """Forget an answer (its places); its text goes unless its request still runs."""
+        """Forget an answer (its chains' cells); its text goes unless its request still runs."""
         cache = self._tenants[tenant]
         text = cache.kept.pop(req_id)
         cache.charged -= cache.finished.pop(req_id, 0)
-        if self.answers_of[text] >= 0:
-            text_kernels.forget_answer(self.positions.state, self.store, self.starts[text],
-                                       self._answer_starts[text], self.lengths[text], self.key_len, cache.answers,
-                                       text)
+        self._forget_answer(text)
         running = self._running.get(req_id)
         if running is not None and running.text == text:
             self.answers_of[text] = -1  # no longer kept: freed when the request stops
@@ -335,6 +343,12 @@ class TenantTexts:
             if tenant not in busy:
                 cache = self._tenants.pop(tenant)
                 for text in cache.kept.values():
+                    self._forget_answer(text)
                     self._free_text(text)
-                self.positions.release(cache.answers)
                 excess -= 1
+
+    def _forget_answer(self, text: int) -> None:
+        """Delete the answers' cells that point into ``text``, if its answer is kept."""
+        if self.answers_of[text] >= 0:
+            text_kernels.forget_answer(self.heads, self.heads_used, self.store, self.starts, self.answers_of,
+                                       self._answer_starts[text], self.lengths[text], self.key_len, text)

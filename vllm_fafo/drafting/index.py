@@ -90,7 +90,7 @@ class DraftIndex:
             else self.arena.scratch
         empty = np.zeros(0, dtype=np.int64)
         no_tokens = np.zeros(0, dtype=np.int32)
-        self._no_texts = (PoolArena(1, 1).state, np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64), no_tokens,
+        self._no_texts = (np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64), no_tokens, empty, empty,
                           no_tokens, empty, empty, empty, empty, 1, False)
         """The kernel's deep-match arguments where there are none (the modes)."""
         self._outputs = self._new_outputs(8, max(1, config.num_speculative_tokens))
@@ -238,5 +238,6 @@ def load_kernels(config: FafoConfig) -> None:
     list(alternatives_in(target, [1, 2]))
     index.stop("warm-up", target, 32, int(anchors[0]))
     texts = index.texts
-    if texts is not None:  # what growing the own texts' chains' table runs
-        text_kernels.rehash_own(texts.heads, np.zeros_like(texts.heads), texts.store, texts.starts, texts.key_len)
+    if texts is not None:  # what growing the chains' table runs
+        text_kernels.rehash(texts.heads, np.zeros_like(texts.heads), texts.store, texts.starts, texts.answers_of,
+                            texts.key_len)

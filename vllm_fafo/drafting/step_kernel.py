@@ -74,11 +74,11 @@ texts or the outputs lack room (the caller grows them and calls again)."""
 
 
 @njit(cache=True)
-def _room(st, pos, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors,
+def _room(st, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens, next_anchors,
           max_draft, max_len, ngram_len, seed_from_output, drafts, context, max_key):
     """Whether the step fits what is allocated (:data:`ROOM_OK`), else what lacks room:
-    the keys it files (each anchor's keys), the texts' growth, their places and their
-    chains' cells (``heads_room``: cells free to fill), the outputs' rows and width; and
+    the keys it files (each anchor's keys), the texts' growth and their chains' cells
+    (``heads_room``: cells free to fill; two per place), the outputs' rows and width; and
     the keys it files (0 where it stopped before counting them all; :data:`ROOM_OK`'s and
     :data:`ROOM_POOLS`' are whole)."""
     count = len(num_tokens)
@@ -102,7 +102,7 @@ def _room(st, pos, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens,
         return ROOM_OUTPUTS, keys
     if not has_room(st, keys, ngram_len):
         return ROOM_POOLS, keys
-    if deep_on and (places > heads_room or not has_room(pos, places + 2, 2)):
+    if deep_on and 2 * places > heads_room:
         return ROOM_TEXTS, keys
     return ROOM_OK, keys
 
@@ -153,8 +153,8 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     num_tokens[i])`` tokens: a deep match
     first, then chained candidates of the pools, where they miss Cacheback's frozen table
     (``frozen``, its owner ``frozen_owner``; None: none), then the prior table (``prior_lens`` non-empty), whose next
-    token votes where the pools rank by votes. ``texts``: the deep matches' (answers' places
-    arena, own texts' chains: heads, cells used and ``prev``, store, text starts, lengths,
+    token votes where the pools rank by votes. ``texts``: the deep matches' (the chains'
+    heads, cells used, ``prev``, ``links`` and text generations, store, text starts, lengths,
     capacities, answers owner by text, key length, on); request i's text is
     ``owners[s, 2]``, fed up to ``num_tokens``.
     Writes rows ``:len(rows)`` of ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the
@@ -165,17 +165,16 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     files (the arena's room to make for :data:`ROOM_POOLS`)."""
     max_key = st[ST_CFG][CFG_MAX_KEY]
     votes = st[ST_CFG][CFG_VOTES] != 0
-    pos, heads, heads_used, prev, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
+    heads, heads_used, prev, links, gens, store, t_start, t_len, t_cap, t_answers, deep_key, deep_on = texts
     heads_room = len(heads) // 2 - heads_used[0]  # the chains' table kept at most half full
-    room_status, num_keys = _room(st, pos, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens,
+    room_status, num_keys = _room(st, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prompt_lens,
                                   next_anchors, max_draft, max_len, ngram_len, seed_from_output, drafts, context,
                                   max_key)
     if room_status != ROOM_OK:
         return room_status, num_keys
-    place = np.zeros(2, dtype=np.int32)
-    if _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
-                     seed_from_output, max_key, num_keys) == -1:  # never: keeps the reads
-        place[0] = 1
+    kept = np.zeros(1, dtype=np.int64)  # the touch pass's checksum, kept: its reads stay
+    kept[0] = _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
+                            seed_from_output, max_key, num_keys)
     for i in range(len(rows)):
         s = slots[i]
         pool, tag = owners[s, 0], owners[s, 1]
@@ -205,15 +204,14 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             for j in range(fed, n_tok):
                 store[t_start[text] + j] = hist[j]
             if n_tok > fed:
-                feed_text(pos, heads, heads_used, prev, store, t_start[text], fed, n_tok, deep_key, t_answers[text],
-                          text, place)
+                feed_text(heads, heads_used, prev, links, gens, store, t_start, t_answers, fed, n_tok, deep_key, text)
                 t_len[text] = n_tok
             if room > 0:
                 k0 = max(0, n_tok - MATCH_DEPTH)
                 for j in range(n_tok - k0):
                     context[j] = hist[k0 + j]
-                found, end, depth = deep_match(pos, heads, prev, store, t_start, t_len, context, n_tok - k0,
-                                               deep_key, t_answers[text], text)
+                found, end, depth = deep_match(heads, prev, links, gens, store, t_start, t_answers, context,
+                                               n_tok - k0, deep_key, text)
                 if depth > 0:
                     first_key, first = depth, False
                     src = t_start[found] + end + 1

@@ -238,12 +238,12 @@ def _deepest_answer(heads, links, gens, store, t_start, t_answers, context, k0, 
         return best
     text, end = _text_of(heads[i]), _end_of(heads[i])
     for k in range(MAX_POSITIONS):
+        link = links[t_start[text] + end]  # read first: its cache miss overlaps the compare's
         if text != own_text:
             depth = _depth(store, t_start[text], end, context, n_ctx)
             stamp = np.int64(MAX_POSITIONS - k)  # the latest first
             if _beats(depth, False, stamp, best):
                 best = (text, end, depth, stamp, False)
-        link = links[t_start[text] + end]
         if link < 0:
             break
         text, end = (link >> LINK_BITS) & _LINK_MASK, link & _LINK_MASK
@@ -262,10 +262,11 @@ def _deepest_own(heads, prev, store, t_start, t_answers, context, k0, key_len, n
     for _ in range(MAX_POSITIONS):
         if end < 0:
             break
+        before = prev[start + end]  # read first, as the answers' walk does
         depth = _depth(store, start, end, context, n_ctx)
         if _beats(depth, True, np.int64(end), best):
             best = (own_text, end, depth, np.int64(end), True)
-        end = prev[start + end]
+        end = before
     return best
 
 

@@ -14,6 +14,7 @@ from vllm_fafo.drafting.pool import Origin, file_in
 from vllm_fafo.proposer import longest_match
 
 from .test_native_pool import file_and_draft_one
+from .test_tenant_texts import assert_cells_live
 
 KEY_LEN, DEPTH = 3, 24
 
@@ -176,6 +177,7 @@ def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int) ->
                 finished.append((name, texts.answer_charge(num_tokens, num_tokens - prompt_len)))
                 while sum(charge for _, charge in finished) > texts.answer_bytes:
                     forgotten.add(finished.pop(0)[0])
+        assert_cells_live(texts)
     assert drafted > 100 and differ > 5 and len(forgotten) > 20, (drafted, differ, len(forgotten))
     assert texts.num_kept_answers() == len(finished) + len(running)
 

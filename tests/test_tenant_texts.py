@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_fafo.drafting import text_kernels
 from vllm_fafo.drafting.deep_match import TenantTexts
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int64)
@@ -21,6 +22,16 @@ def decode(trees: TenantTexts, req_id: str, tenant: str | None, prompt: np.ndarr
     history = np.concatenate([prompt, answer])
     for num_tokens in range(len(prompt) + 1, len(history) + 1):
         trees.draft(req_id, history, num_tokens, room=8)
+
+
+def assert_cells_live(trees: TenantTexts) -> None:
+    """Every cell of the chains' table points into a live text (an answers' cell: a kept
+    answer), and the count of cells used is the table's."""
+    cells = trees.heads[trees.heads != 0]
+    texts = (cells >> 32) & ((1 << 30) - 1)
+    assert int(trees.heads_used[0]) == len(cells)
+    assert (trees.capacities[texts] > 0).all()
+    assert (trees.answers_of[texts[(cells & text_kernels.ANSWER_CELL) != 0]] >= 0).all()
 
 
 def draft_after(trees: TenantTexts, req_id: str, tenant: str | None, history: list[int]) -> tuple[list[int], int]:
@@ -101,6 +112,9 @@ def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
         decode(trees, f"done-{tenant}", tenant, PROMPT, ANSWER)
         trees.stop(f"done-{tenant}")
     assert trees.num_tenants == 2  # "a" (running) and "d" (the most recent)
+    assert_cells_live(trees)
+    answer_keys = len(ANSWER)  # d's: a key before each answer token (b's and c's deleted)
+    assert int(np.count_nonzero(trees.heads & text_kernels.ANSWER_CELL)) == answer_keys
     question = [1, 2, *ANSWER[:6]]
     assert draft_after(trees, "asks d", "d", question)[0] == ANSWER[6:]
     assert draft_after(trees, "asks b", "b", question)[0] == []  # b's texts were dropped

@@ -32,10 +32,16 @@ def scan(own: list[int], own_answer_start: int, answers: list[tuple[list[int], i
         answer_places += [(text, e) for e in range(KEY_LEN - 1, len(text) - 1)
                           if e + 1 >= answer_start and text[e - KEY_LEN + 1 : e + 1] == key]
     places = [(text, e) for text, e in answer_places[-MAX_POSITIONS:] if text is not own]
-    places += [(own, e) for e in range(KEY_LEN - 1, len(own) - 1) if own[e - KEY_LEN + 1 : e + 1] == key][-MAX_POSITIONS:]
-    best = ([], 0)
-    best_depth = -1
-    for text, end in places:
+    return deepest(own, places, room)
+
+
+def deepest(own: list[int], answer_places: list[tuple[list[int], int]], room: int) -> tuple[list[int], int]:
+    """Of ``answer_places`` (each oldest first), then the latest MAX_POSITIONS places of the
+    own text's key in it, the last of the deepest: its continuation and the depth."""
+    key = own[-KEY_LEN:]
+    own_places = [(own, e) for e in range(KEY_LEN - 1, len(own) - 1) if own[e - KEY_LEN + 1 : e + 1] == key]
+    best, best_depth = ([], 0), -1
+    for text, end in answer_places + own_places[-MAX_POSITIONS:]:
         depth = 0
         while depth < DEPTH and end - depth >= 0 and text[end - depth] == own[len(own) - 1 - depth]:
             depth += 1
@@ -125,16 +131,8 @@ def scan_filed(own: list[int], own_name: str, texts: dict[str, list[int]], filed
                 break
             continue
         live.insert(0, (name, e))
-    places = [(texts[name], e) for name, e in live if name != own_name]
-    places += [(own, e) for e in range(KEY_LEN - 1, len(own) - 1) if own[e - KEY_LEN + 1 : e + 1] == key][-MAX_POSITIONS:]
-    best, best_depth = ([], 0), -1
-    for text, end in places:
-        depth = 0
-        while depth < DEPTH and end - depth >= 0 and text[end - depth] == own[len(own) - 1 - depth]:
-            depth += 1
-        if depth >= best_depth:
-            best, best_depth = (text[end + 1 : end + 1 + room], depth), depth
-    return best if best_depth >= KEY_LEN else ([], 0)
+    found = deepest(own, [(texts[name], e) for name, e in live if name != own_name], room)
+    return found if found[1] >= KEY_LEN else ([], 0)
 
 
 @pytest.mark.parametrize("vocab", [3, 5])

@@ -8,8 +8,9 @@ up to ``MATCH_DEPTH`` (24) tokens back, as vLLM's ``suffix`` method does:
 every ``key_len``-token key of a text is chained through the places it
 ended, in the request's own text and in the answers (outputs) its tenant's
 requests gave, running and finished (hash chains, one table of heads); a
-lookup compares, for the latest ``MAX_POSITIONS`` places in each, the tokens before each place of the text's last ``key_len`` tokens
-with the text's end, up to ``MATCH_DEPTH`` back, and drafts the continuation
+lookup compares the tokens before the latest ``MAX_POSITIONS`` places of the
+text's last ``key_len`` tokens, in each, with the text's end, up to
+``MATCH_DEPTH`` back, and drafts the continuation
 of the deepest match (the request's own text on ties, then the latest), with
 the depth as the goodput controller's evidence.
 
@@ -82,8 +83,9 @@ class TenantTexts:
     its own text only): a finished answer is charged its text's tokens and a chain
     cell per answer token (:meth:`answer_charge`); running requests' answers are kept
     uncharged until they stop. A forgotten answer's places end the lookups that reach
-    them (:mod:`~vllm_fafo.drafting.text_kernels`). At most ``max_tenants`` tenants (the least recently used
-    one without running requests is dropped). ``key_len``: the shortest match drafted."""
+    them (:mod:`~vllm_fafo.drafting.text_kernels`). At most ``max_tenants`` tenants
+    (the least recently used one without running requests is dropped). ``key_len``:
+    the shortest match drafted."""
 
     def __init__(self, answer_bytes: int, max_tenants: int, key_len: int) -> None:
         self.key_len = key_len

@@ -136,11 +136,15 @@ def scan_filed(own: list[int], own_name: str, texts: dict[str, list[int]], filed
 
 
 @pytest.mark.parametrize("vocab", [3, 5])
-def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int) -> None:
+def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int, monkeypatch) -> None:
     """Answers of one tenant, fed interleaved and finishing out of order, are forgotten
     by the byte bound (about two kept) while answers older than theirs stay: every draft
     equals :func:`scan_filed`'s, where a key's places stop at its latest forgotten one;
-    drafts that skipping the forgotten places would make differ often enough to tell."""
+    drafts that skipping the forgotten places would make differ often enough to tell.
+    The texts outgrow their segments, the store (started small) is compacted and the
+    chains' table (started tiny) grows, the answers' links and cells moving along."""
+    monkeypatch.setattr(deep_match, "MIN_HEADS", 8)
+    monkeypatch.setattr(deep_match, "MIN_STORE", 512)
     rng = np.random.default_rng(11)
     length, prompt_len = 90, 20
     probe = TenantTexts(answer_bytes=1, max_tenants=4, key_len=KEY_LEN)
@@ -153,6 +157,7 @@ def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int) ->
     forgotten: set[str] = set()
     running: list[str] = []
     drafted = differ = 0
+    tables, stores = {id(texts.heads)}, {id(texts.store)}
     for serial in range(80):
         name = f"r{serial}"
         whole[name] = rng.integers(0, vocab, length).tolist()
@@ -176,8 +181,11 @@ def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int) ->
                 while sum(charge for _, charge in finished) > texts.answer_bytes:
                     forgotten.add(finished.pop(0)[0])
         assert_cells_live(texts)
+        tables.add(id(texts.heads))
+        stores.add(id(texts.store))
     assert drafted > 100 and differ > 5 and len(forgotten) > 20, (drafted, differ, len(forgotten))
     assert texts.num_kept_answers() == len(finished) + len(running)
+    assert len(tables) > 2 and len(stores) > 2, (len(tables), len(stores))
 
 
 def answer_cells(texts: TenantTexts) -> int:

@@ -46,6 +46,8 @@ uncut and cut) and cost 7-17 % more host time per step at batch 8-128
 assert text_kernels.MAX_POSITIONS == MAX_POSITIONS
 MIN_HEADS = 1 << 12
 """Cells of the chains' table at first (it grows where it would be more than half full)."""
+MIN_STORE = 1 << 14
+"""Tokens of the texts' store at first (it grows where the live texts fill half)."""
 MAX_TEXT_TOKENS = 1 << text_kernels.LINK_BITS
 """Tokens a text may have, and text ids (an answers' chain's link packs both)."""
 TOKEN_BYTES = 16
@@ -92,7 +94,7 @@ class TenantTexts:
         self.answer_bytes = answer_bytes
         self.max_tenants = max_tenants
         self.place_bytes = PLACE_BYTES
-        self.store = np.zeros(1 << 14, dtype=np.int32)
+        self.store = np.zeros(MIN_STORE, dtype=np.int32)
         self.prev = np.full(len(self.store), -1, dtype=np.int32)
         """Beside each token of a running request's own text that ends a key: where the
         key ended before in that text (-1: nowhere), the own texts' chains."""

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_fafo.drafting.deep_match import MATCH_DEPTH, MAX_POSITIONS, TOKEN_BYTES
+from vllm_fafo.drafting.deep_match import MATCH_DEPTH, MAX_POSITIONS, PLACE_BYTES, TOKEN_BYTES
 
 
 class TextIndex:
@@ -209,15 +209,14 @@ class TenantTexts:
     """One :class:`TextCache` per tenant; requests start, grow, draft and stop here.
 
     The finished answers kept for later requests are bounded per tenant in bytes
-    (``answer_bytes``; each charged ``TOKEN_BYTES`` per token of its text and ``place_bytes``
+    (``answer_bytes``; each charged ``TOKEN_BYTES`` per token of its text and ``PLACE_BYTES``
     per answer token; the earliest finished evicted first); at most ``max_tenants``
     tenants (the least recently used one without running requests is dropped).
     ``key_len``: the shortest match drafted."""
 
-    def __init__(self, answer_bytes: int, max_tenants: int, key_len: int, place_bytes: int) -> None:
+    def __init__(self, answer_bytes: int, max_tenants: int, key_len: int) -> None:
         self.key_len = key_len
         self.answer_bytes = answer_bytes
-        self.place_bytes = place_bytes
         self.max_tenants = max_tenants
         self._caches: OrderedDict[str | None, TextCache] = OrderedDict()
         self._running: dict[str, _Running] = {}
@@ -261,7 +260,7 @@ class TenantTexts:
         self._caches[running.tenant].stop_request(req_id)
         if self.answer_bytes:
             finished = self._finished[running.tenant]
-            finished[req_id] = TOKEN_BYTES * running.fed + self.place_bytes * (running.fed - running.prompt_len)
+            finished[req_id] = TOKEN_BYTES * running.fed + PLACE_BYTES * (running.fed - running.prompt_len)
             while sum(finished.values()) > self.answer_bytes:
                 self._evict(running.tenant, next(iter(finished)))
         self._drop_idle_tenants()

@@ -224,8 +224,7 @@ def test_the_step_kernel_files_and_drafts_as_the_python_proposer(answer_bytes):
     index.shared.max_keys = 60  # each tenant's bound, as shared_pool_mib sets it: evictions happen
     index.texts.answer_bytes = answer_bytes  # 40,000: about three answers of a tenant
     shared_refs = _ReferenceTenants(setting, max_keys=60, max_tenants=config.shared_pool_tenants)
-    ref_texts = reference_deep_match.TenantTexts(answer_bytes, config.shared_pool_tenants, config.max_key_len + 1,
-                                                 index.texts.place_bytes)
+    ref_texts = reference_deep_match.TenantTexts(answer_bytes, config.shared_pool_tenants, config.max_key_len + 1)
     batch, length, room, ngram_len = 4, 160, 6, config.ngram_len
     # 12 token values, texts that repeat themselves: deep matches, votes and evictions all happen
     motifs = rng.integers(0, 12, size=(6, 30))

@@ -93,7 +93,6 @@ class TenantTexts:
         self.key_len = key_len
         self.answer_bytes = answer_bytes
         self.max_tenants = max_tenants
-        self.place_bytes = PLACE_BYTES
         self.store = np.zeros(MIN_STORE, dtype=np.int32)
         self.prev = np.full(len(self.store), -1, dtype=np.int32)
         """Beside each token of a running request's own text that ends a key: where the
@@ -293,7 +292,7 @@ class TenantTexts:
     def answer_charge(self, text_len: int, answer_len: int) -> int:
         """Bytes a finished answer is charged: its text's tokens (the prompt's too, which its
         matches read back) and a chain cell per answer token."""
-        return TOKEN_BYTES * text_len + self.place_bytes * answer_len
+        return TOKEN_BYTES * text_len + PLACE_BYTES * answer_len
 
     def clear(self) -> None:
         """Forget every finished answer (running requests keep their own text)."""

@@ -172,9 +172,9 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
                                   max_key)
     if room_status != ROOM_OK:
         return room_status, num_keys
-    kept = np.zeros(1, dtype=np.int64)  # the touch pass's checksum, kept: its reads stay
-    kept[0] = _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
-                            seed_from_output, max_key, num_keys)
+    # the touch pass's checksum stored, so that its reads stay (match_pool overwrites the scratch)
+    scratch[0] = _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
+                               seed_from_output, max_key, num_keys)
     for i in range(len(rows)):
         s = slots[i]
         pool, tag = owners[s, 0], owners[s, 1]

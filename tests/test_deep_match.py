@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from vllm_fafo.config import FafoConfig, FafoConfigError
-from vllm_fafo.drafting import deep_match, text_kernels
+from vllm_fafo.drafting import deep_match
 from vllm_fafo.drafting.deep_match import MAX_POSITIONS, TenantTexts
 from vllm_fafo.drafting.index import DraftIndex, tenant_texts
 from vllm_fafo.drafting.pool import Origin, file_in
 from vllm_fafo.proposer import longest_match
 
 from .test_native_pool import file_and_draft_one
-from .test_tenant_texts import assert_cells_live
+from .test_tenant_texts import answer_cells, assert_cells_live
 
 KEY_LEN, DEPTH = 3, 24
 
@@ -147,8 +147,7 @@ def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int, mo
     monkeypatch.setattr(deep_match, "MIN_STORE", 512)
     rng = np.random.default_rng(11)
     length, prompt_len = 90, 20
-    probe = TenantTexts(answer_bytes=1, max_tenants=4, key_len=KEY_LEN)
-    texts = TenantTexts(answer_bytes=5 * probe.answer_charge(length, length - prompt_len) // 2, max_tenants=4,
+    texts = TenantTexts(answer_bytes=5 * TenantTexts.answer_charge(length, length - prompt_len) // 2, max_tenants=4,
                         key_len=KEY_LEN)
     whole: dict[str, list[int]] = {}
     fed: dict[str, int] = {}
@@ -186,11 +185,6 @@ def test_a_lookup_stops_at_the_latest_place_of_a_forgotten_answer(vocab: int, mo
     assert drafted > 100 and differ > 5 and len(forgotten) > 20, (drafted, differ, len(forgotten))
     assert texts.num_kept_answers() == len(finished) + len(running)
     assert len(tables) > 2 and len(stores) > 2, (len(tables), len(stores))
-
-
-def answer_cells(texts: TenantTexts) -> int:
-    """Cells of the answers' chains in the chains' table."""
-    return int(np.count_nonzero(texts.heads & text_kernels.ANSWER_CELL))
 
 
 def test_an_evicted_answer_leaves_no_key_behind() -> None:

@@ -24,11 +24,16 @@ def decode(trees: TenantTexts, req_id: str, tenant: str | None, prompt: np.ndarr
         trees.draft(req_id, history, num_tokens, room=8)
 
 
+def answer_cells(trees: TenantTexts) -> int:
+    """Cells of the answers' chains in the chains' table."""
+    return int(np.count_nonzero(trees.heads & text_kernels.ANSWER_CELL))
+
+
 def assert_cells_live(trees: TenantTexts) -> None:
     """Every cell of the chains' table points into a live text (an answers' cell: a kept
     answer), and the count of cells used is the table's."""
     cells = trees.heads[trees.heads != 0]
-    texts = (cells >> 32) & ((1 << 30) - 1)
+    texts = (cells >> 32) & text_kernels._TEXT_MASK
     assert int(trees.heads_used[0]) == len(cells)
     assert (trees.capacities[texts] > 0).all()
     assert (trees.answers_of[texts[(cells & text_kernels.ANSWER_CELL) != 0]] >= 0).all()
@@ -72,7 +77,7 @@ def test_no_cached_requests_means_no_sharing():
 
 
 def test_answers_are_bounded_per_tenant_in_bytes_earliest_finished_evicted_first():
-    charge = TenantTexts(answer_bytes=1, max_tenants=8, key_len=KEY_LEN).answer_charge(len(PROMPT) + 10, 10)
+    charge = TenantTexts.answer_charge(len(PROMPT) + 10, 10)
     trees = TenantTexts(answer_bytes=2 * charge, max_tenants=8, key_len=KEY_LEN)
     answers = {name: [base + i for i in range(10)] for name, base in (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
     for name, tenant in (("a", "x"), ("b", "y"), ("c", "x"), ("d", "x")):
@@ -114,7 +119,7 @@ def test_idle_tenants_beyond_the_bound_are_dropped_running_ones_kept():
     assert trees.num_tenants == 2  # "a" (running) and "d" (the most recent)
     assert_cells_live(trees)
     answer_keys = len(ANSWER)  # d's: a key before each answer token (b's and c's deleted)
-    assert int(np.count_nonzero(trees.heads & text_kernels.ANSWER_CELL)) == answer_keys
+    assert answer_cells(trees) == answer_keys
     question = [1, 2, *ANSWER[:6]]
     assert draft_after(trees, "asks d", "d", question)[0] == ANSWER[6:]
     assert draft_after(trees, "asks b", "b", question)[0] == []  # b's texts were dropped

@@ -289,7 +289,8 @@ class TenantTexts:
                 self._evict(running.tenant, next(iter(cache.finished)))
         self._drop_idle_tenants()
 
-    def answer_charge(self, text_len: int, answer_len: int) -> int:
+    @staticmethod
+    def answer_charge(text_len: int, answer_len: int) -> int:
         """Bytes a finished answer is charged: its text's tokens (the prompt's too, which its
         matches read back) and a chain cell per answer token."""
         return TOKEN_BYTES * text_len + PLACE_BYTES * answer_len

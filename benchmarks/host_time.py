@@ -16,11 +16,10 @@ microseconds, and the steps' count.
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
 ``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's one kernel
-call with its arguments, the controller's bookkeeping after it, the metrics'
-publishing) and prints, after the
-method's rows, their medians per call and what ``propose`` spends outside them (its own
-Python: the per-request arrays built from vLLM's lists and dicts, the drafts' lists),
-then the lanes' planning before the forward (:data:`PLANNING_PARTS`).
+call with its arguments, the metrics' publishing) and prints, after the method's rows,
+their medians per call and what ``propose`` spends outside them (its own Python: the
+per-request arrays built from vLLM's lists and dicts, the drafts' lists), then the
+lanes' planning before the forward (:data:`PLANNING_PARTS`).
 vLLM's own methods have no parts; their timers add to the step, so compare totals
 without ``--parts``.
 
@@ -43,7 +42,6 @@ HOOKS = ("plan_forward", "attention_plan", "branch_plan", "tail_inputs", "branch
 PARTS = (
     ("vllm_fafo.proposer", "FafoProposer", "propose"),
     ("vllm_fafo.proposer", "FafoProposer", "_run_step_kernel"),
-    ("vllm_fafo.control.goodput", "GoodputController", "finish_step"),
     ("vllm_fafo.proposer", "FafoProposer", "_publish_and_log"),
     ("vllm_fafo.control.goodput", "GoodputController", "choose_tier"),
 )

@@ -8,6 +8,7 @@ import torch
 
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController
+from vllm_fafo.control.kernels import C_ANSWER_TOKENS, C_ASK_MAX_LANES, C_ASK_REQUESTS
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED
 from vllm_fafo.proposer import FafoProposer, pad_drafts
@@ -16,7 +17,6 @@ from vllm_fafo.step_arrays import same_or_new
 from .test_proposer import make_proposer
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
-NO_LANE_ANSWER = (-1, 0, False)
 
 
 class SeparateKernels(FafoProposer):
@@ -24,19 +24,20 @@ class SeparateKernels(FafoProposer):
     call in turn (the request table's settle and keep, the index's draft_batch, the
     judge's judge and add, the controller's observe and choose_draft_lens)."""
 
-    def _run_step_kernel(self, numbers, num_tokens_no_spec, token_ids, step_tokens, step, seconds):
+    def _run_step_kernel(self, numbers, num_tokens_no_spec, token_ids, branch_trials, tokens, seconds, lane_tokens,
+                         tree_tokens, step_tokens):
         slots, rows, taken, verified = numbers[:4]
         numbers[4] = num_tokens_no_spec[rows]
         num_tokens, accepted = numbers[4], numbers[5]
         controller = self.controller
         learns = isinstance(controller, GoodputController)
         if learns:
-            controller._curve_of(step.lane_tokens, 0).observe(step.num_scheduled_tokens + step.tail_tokens, seconds)
+            controller._curve_of(lane_tokens, tree_tokens).observe(tokens, seconds)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
         self._table.settle(slots, taken, verified, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         if learns:
-            controller.yields.observe_counts(step.lane_tokens, lane_accepted, int(accepted.sum()) - lane_accepted,
+            controller.yields.observe_counts(lane_tokens, lane_accepted, int(accepted.sum()) - lane_accepted,
                                              len(slots))
         found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
                                        token_ids, rows, num_tokens, self.controller.draft_room(), self.max_model_len)
@@ -52,12 +53,11 @@ class SeparateKernels(FafoProposer):
             pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
                        token_ids[rows, num_tokens - 1])
             self._table.keep(slots, found.origins, found.lengths, self.metrics)
-            return LENGTHS_PADDED, 0, 0, 0, NO_LANE_ANSWER
+            return LENGTHS_PADDED
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
-        # choose_draft_lens noted its choice; no cost curve to update after
-        return LENGTHS_FOUND, 0, 0, 0, NO_LANE_ANSWER
+        return LENGTHS_FOUND  # choose_draft_lens noted its choice
 
 
 def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:
@@ -130,7 +130,7 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         assert results[0] == results[1], f"step {step}"
         step_arrays.append(fused._held)
         # the arrays the kernel is handed without gathering them are the owners' own
-        owners_now = fused.step_parts(*fused._held_parts[-3:])
+        owners_now = fused.step_parts()
         assert all(held is now for held, now in zip(fused._held_parts, owners_now)), f"step {step}"
         drafts = results[0]
         drafted += sum(map(len, drafts))
@@ -198,7 +198,7 @@ def test_the_held_step_arrays_follow_requests_that_grow_the_owners(settings, arr
         proposer.finish_forward(req_ids, None)
         found = proposer.propose(sampled, num_tokens[running], history[running])
         drafts = dict(zip(running, found))
-        owners_now = proposer.step_parts(*proposer._held_parts[-3:])
+        owners_now = proposer.step_parts()
         assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
     assert sum(map(len, drafts.values())) > 0
 
@@ -241,7 +241,7 @@ def test_the_held_step_arrays_follow_the_lanes_filing_into_the_pools():
         sampled = [[int(history[row, num_tokens[row]])] for row in range(2)]
         num_tokens += 1
         proposer.propose(sampled, num_tokens, history)
-        owners_now = proposer.step_parts(*proposer._held_parts[-3:])
+        owners_now = proposer.step_parts()
         assert all(held is now for held, now in zip(proposer._held_parts, owners_now)), f"step {step}"
         made.add(id(proposer._held))
     assert 1 < len(made) < 8  # the arena grew under the lanes' filing in some steps, not in every one
@@ -282,7 +282,8 @@ def test_the_lane_question_the_step_kernel_asks_is_the_one_the_lanes_would_ask()
         drafts = proposer.propose(sampled, num_tokens[rows], history[rows])
         scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
         question = (len(req_ids) + sum(map(len, drafts)) + (step % 11 == 5), len(req_ids), len(req_ids), 8)
-        foreseen += controller._answer is not None and controller._answer[:4] == question
+        control = controller.control
+        foreseen += (control[C_ANSWER_TOKENS], *control[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question
         want = lane_choice_reference(controller, *question)
         assert controller.choose_lanes(*question) == want[0], f"step {step}"
         assert controller.last.probe == want[1], f"step {step}"

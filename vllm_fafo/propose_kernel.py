@@ -14,10 +14,31 @@ steps in one object (:mod:`vllm_fafo.step_arrays`).
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from vllm_fafo.control.draft_judge import judge_drafts, queue_drafts
-from vllm_fafo.control.kernels import choose_draft_lengths, choose_lanes, count_totals, observe_chains, observe_cost
+from vllm_fafo.control.kernels import (
+    C_ANSWER_LANES,
+    C_ANSWER_PROBED,
+    C_ANSWER_TOKENS,
+    C_ASK_DECODING,
+    C_ASK_MAX_LANES,
+    C_ASK_REQUESTS,
+    C_DRAFT_LEN,
+    C_DRAFT_REQUESTS,
+    C_DRAFT_TOTAL,
+    C_LANE_LEN,
+    C_LANES,
+    C_PROBE_ANYWAY,
+    C_PROBE_DUE,
+    choose_draft_lengths,
+    choose_lanes,
+    count_totals,
+    draft_room,
+    observe_chains,
+    observe_cost,
+)
 from vllm_fafo.drafting.step_kernel import ROOM_OK, file_and_draft
 from vllm_fafo.request_table import keep_drafts, settle_drafts
 
@@ -50,49 +71,47 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 
 @njit(cache=True)
-def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_count, branch_trials, mode, observe,
-                 observed_curve, tokens, seconds, plain_curve, plain_count, lane_points, lanes_on, step_tokens,
-                 plain_observed, lane_tokens, lane_len, ask_requests, ask_decoding, ask_max_lanes, probe_due,
-                 probe_anyway):
+def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_trials, choose, tokens, seconds,
+                 lane_tokens, tree_tokens, step_tokens):
     """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
     vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
-    whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``,
-    drafts of up to ``max_draft`` tokens. ``held``: the owners' arrays
-    (:class:`~vllm_fafo.step_arrays.StepArrays`); ``judge_count``: the drafts queued;
-    ``branch_trials``: the draft tree's branches verified (rows: ranks, tokens, tokens
-    accepted); the rest the controller's numbers of the step
-    (:meth:`~vllm_fafo.control.goodput.GoodputController.kernel_arguments`' last tuple):
+    whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``.
+    ``held``: the owners' arrays (:class:`~vllm_fafo.step_arrays.StepArrays`); ``judge_count``:
+    the drafts queued; ``branch_trials``: the draft tree's branches verified (rows: ranks,
+    tokens, tokens accepted). The step had ``tokens`` tokens (``lane_tokens`` and
+    ``tree_tokens`` of them in its tail) and took ``seconds``; the next has ``step_tokens``
+    before its drafts. The controller's numbers are read from and written to its
+    ``control`` array (``held.choice``; :data:`~vllm_fafo.control.kernels.C_LANES` ...).
 
-    1. file their new n-grams and draft (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`,
-       ``index`` and ``outputs``: :meth:`DraftIndex.kernel_arguments`);
-    2. the controller's cost curve ``observed_curve`` observes the step (of ``curves``: the plain
-       steps', the lane steps', the tree steps' :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`);
+    1. file their new n-grams and draft up to the controller's room (:func:`~vllm_fafo.control.kernels.draft_room`;
+       :func:`~vllm_fafo.drafting.step_kernel.file_and_draft`, ``index`` and ``outputs``:
+       :meth:`DraftIndex.kernel_arguments`);
+    2. where the controller learns (``learning``'s first entry) and the step had tokens, the
+       cost curve of its kind (the tree steps', the lane steps', the plain steps' of
+       ``curves``: :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`) observes it;
     3. settle what vLLM accepted of their last drafts (:func:`~vllm_fafo.request_table.settle_drafts`,
        ``table`` and ``counts``: :meth:`RequestTable.kernel_arguments`);
     4. judge the queued drafts their text now decides (:func:`~vllm_fafo.control.draft_judge.judge_drafts`,
-       ``judge``: :meth:`DraftJudge.kernel_arguments`) and, where ``learning`` says so,
-       teach the controller's draft yields those and the branches' trials
+       ``judge``: :meth:`DraftJudge.kernel_arguments`) and, where the controller learns,
+       teach its draft yields those and the branches' trials
        (:func:`~vllm_fafo.control.kernels.observe_chains`) and count the step's totals
-       (:func:`~vllm_fafo.control.kernels.count_totals`, ``lane_tokens`` in its tail);
+       (:func:`~vllm_fafo.control.kernels.count_totals`), marking its reach tables stale;
     5. queue the drafts found, whole, for judging later;
-    6. cut them to the lengths the controller chooses (``choice``, the step priced by curve
-       ``plain_curve`` and the lane steps', :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), or pad them
-       (:func:`pad_found_drafts`), and keep them for settling next step
-       (:func:`~vllm_fafo.request_table.keep_drafts`), as its mode
-       (:data:`LENGTHS_CHOSEN` ...) says;
-    7. where ``ask_requests`` > 0 (and the drafts are kept here), ask the controller's lane
-       question of the next step as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`):
-       its tokens the requests and their drafts, ``ask_requests`` of them with lanes, of up to
-       ``ask_max_lanes`` lanes of ``lane_len`` tokens; a plain or a lane step priced as the
-       controller will price it once this step is learned (the lane curve has ``lane_points``
-       before it; ``lanes_on``: the next step's drafts are priced as a step with lanes).
-       Asked between two forwards anyway, it saves the lanes' planning a cold call.
+    6. as the mode (:data:`LENGTHS_CHOSEN` ...) says: cut them to the lengths the
+       controller chooses (``choice``, the step priced by the plain steps' curve, or the
+       lane steps' where no plain step is on it, and the lane steps' where this step ran
+       lanes: :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), noting the longest
+       and their sum, or pad them (:func:`pad_found_drafts`), and keep them for settling
+       next step (:func:`~vllm_fafo.request_table.keep_drafts`);
+    7. where the last lane question asked for lanes (and the drafts are kept here), ask the
+       next step's as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`): its
+       tokens the requests and their drafts, as many requests with lanes and most lanes as
+       last asked; the answer noted in ``control``. Asked between two forwards anyway, it
+       saves the lanes' planning a cold call.
 
-    Returns (room status, keys filed, the cost curve's points, the judge's new count,
-    longest and total length chosen, the lane question's real tokens (-1: none asked),
-    its lanes and probe). A status
-    other than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what
-    lacks room and calls again."""
+    Returns (room status, keys filed, the judge's new count, the mode). A status other
+    than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what lacks
+    room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = held.table
     accepted_counts, proposed_counts, draft_counts, pad, lane = held.counts
@@ -100,33 +119,37 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
     drafts, origins, found_lens, key_lens, context = held.outputs
     judge_table, index_of_slot, judged = held.judge
     (learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows,
-     totals) = held.learning
+     totals, stale) = held.learning
     curves = held.curves
-    log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = curves[observed_curve]
-    plain, lanes = curves[plain_curve][7], curves[1][7]
-    reach_overall, reach_by_row, worth_share, lengths = held.choice
+    reach_overall, reach_by_row, worth_share, control = held.choice
+    max_draft = draft_room(control)
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
-        return ROOM_JUDGE, 0, 0, judge_count, 0, 0, -1, 0, False
+        return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND
     for i in range(count):
         if slots[i] >= len(index_of_slot):
-            return ROOM_JUDGE, 0, 0, judge_count, 0, 0, -1, 0, False
+            return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND
         num_tokens[i] = num_tokens_no_spec[rows[i]]
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
                                       seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
     if status != ROOM_OK:
-        return status, num_keys, 0, judge_count, 0, 0, -1, 0, False
-    points_now = 0
-    if observe:
-        points_now = observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after,
-                                  forget_after, curve)
-        if plain_observed:
-            plain_count = points_now
-        if observed_curve == 1:
-            lane_points = points_now
-    lane_count = lane_points if lanes_on else 0
+        return status, num_keys, judge_count, LENGTHS_FOUND
+    if learn and tokens >= 1:  # a step of no tokens prices nothing
+        log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
+            curves[2 if tree_tokens else 1 if lane_tokens else 0]
+        observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after, forget_after, curve)
+    plain_curve = 0 if curves[0][3][1] > 0 or curves[1][3][1] == 0 else 1  # GoodputController._plain_cost
+    plain, plain_count = curves[plain_curve][7], curves[plain_curve][3][1]
+    lanes, lane_points = curves[1][7], curves[1][3][1]
+    lanes_on = control[C_LANES] > 0  # this step ran lanes: the next is priced as a step with lanes
+    if not learn:
+        mode = LENGTHS_FOUND if choose else LENGTHS_PADDED
+    elif not choose:
+        mode = LENGTHS_LATER
+    else:
+        mode = LENGTHS_CHOSEN if count > 0 and (lanes_on or plain_count > 0) else LENGTHS_FOUND
     lane_before = accepted_counts[lane]
     settle_drafts(slots, taken, verified, draft_len, draft_origins, accepted_counts, accepted)
     lane_accepted = accepted_counts[lane] - lane_before
@@ -139,23 +162,30 @@ def propose_step(batch, num_tokens_no_spec, history, held, max_draft, judge_coun
                        judged[1, :done])
         observe_chains(branch_counts, branch_hits, branch_decay, branch_rows, branch_trials[0], branch_trials[1],
                        branch_trials[2])
+        stale[0], stale[1] = mode != LENGTHS_CHOSEN, 1  # choose_draft_lengths refreshes the draft reach
     judge_count = queue_drafts(judge_table, judge_count, slots, num_tokens, drafts, found_lens[:count],
                                key_lens[:count])
-    longest, total = 0, 0
     if mode == LENGTHS_CHOSEN:
+        lengths = np.empty(count, dtype=np.int64)
         longest, total = choose_draft_lengths(trials, hits, reach_overall, reach_by_row, True, row_of_key_len,
                                               worth_share, key_lens[:count], found_lens[:count], plain,
-                                              plain_count, lanes, lane_count, step_tokens, lengths[:count])
+                                              plain_count, lanes, lane_points if lanes_on else 0, step_tokens,
+                                              lengths)
         for i in range(count):
             found_lens[i] = min(found_lens[i], lengths[i])
+        control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = longest, total, count
     elif mode == LENGTHS_PADDED:
         pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)
-    asked_tokens, lanes_chosen, probed = -1, 0, False
+    control[C_ANSWER_TOKENS] = -1
+    ask_requests, ask_max_lanes = control[C_ASK_REQUESTS], control[C_ASK_MAX_LANES]
     if ask_requests > 0 and ask_max_lanes > 0 and mode != LENGTHS_LATER:
         asked_tokens = count + found_lens[:count].sum()
-        lanes_chosen, probed = choose_lanes(totals, lane_len, ask_requests, asked_tokens, ask_decoding, ask_max_lanes,
-                                            plain, plain_count, lanes, lane_points, probe_due, probe_anyway)
-    return ROOM_OK, num_keys, points_now, judge_count, longest, total, asked_tokens, lanes_chosen, probed
+        lanes_chosen, probed = choose_lanes(totals, control[C_LANE_LEN], ask_requests, asked_tokens,
+                                            control[C_ASK_DECODING], ask_max_lanes, plain, plain_count, lanes,
+                                            lane_points, control[C_PROBE_DUE] != 0, control[C_PROBE_ANYWAY] != 0)
+        control[C_ANSWER_TOKENS], control[C_ANSWER_LANES], control[C_ANSWER_PROBED] = \
+            asked_tokens, lanes_chosen, probed
+    return ROOM_OK, num_keys, judge_count, mode

@@ -59,7 +59,7 @@ from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
-from vllm_fafo.propose_kernel import LENGTHS_LATER, LENGTHS_PADDED
+from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_LATER, LENGTHS_PADDED
 from vllm_fafo.request_table import RequestTable
 from vllm_fafo.request_table import load_kernels as request_table_kernels
 from vllm_fafo.serving.metrics import FafoMetrics
@@ -253,9 +253,9 @@ class FafoProposer:
         self._held_object: StepArrays | None = None
         self._held: StepArrays | None = None
         """The step kernel's arrays while no owner may have grown (None: gather them again)."""
-        self._held_by: tuple | None = None
-        self._held_choice: tuple | None = None
-        """The controller's curves and choice tuples :attr:`_held` was made with."""
+        self._choose_lengths = not self.config.pad_drafts
+        """Whether the step's kernel cuts the drafts to the controller's lengths (else it pads
+        them, or the goodput controller's tiers cut them after it: ``pad_drafts``)."""
         self._numbers = np.zeros(6 * 64, dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
         self._load_step_kernel()
@@ -545,14 +545,21 @@ class FafoProposer:
                 if req_id in wins:
                     numbers[2, i], numbers[3, i] = 0, wins[req_id][0]
         slots, decoding, num_tokens = numbers[0], numbers[1], numbers[4]
-        step_tokens = self._undrafted_tokens(step)
-        seconds = self._step_seconds(step)
+        # the step's tokens in the forward (lanes and branches in its tail) and the next step's
+        # before its drafts; its seconds, to now (the rank-zero worker's under tensor parallelism)
+        plan, branches = step.plan, step.branches
+        lane_tokens = 0 if plan is None else plan.num_tail_tokens
+        tree_tokens = 0 if branches is None else branches.num_tokens
+        tokens = step.num_scheduled_tokens + lane_tokens + tree_tokens
+        step_tokens = tokens - sum(map(len, spec_tokens.values()))
+        seconds = self.clock() - step.started
+        if self._step_time is not None:
+            seconds = self._step_time.share(seconds)
         if self.config.pad_drafts:
             self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
-        mode, longest, total, cost_points, lane_answer = self._run_step_kernel(
-            numbers, num_tokens_no_spec, token_ids_cpu, step_tokens, step, seconds)
+        mode = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu, step.branch_trials, tokens, seconds,
+                                     lane_tokens, tree_tokens, step_tokens)
         found = self.index.drafts(count)
-        self.controller.finish_step(mode, cost_points, found.key_lens, longest, total, count, lane_answer)
         now = time.monotonic()
         if now >= self._next_report:
             self._publish_and_log(now)
@@ -585,31 +592,27 @@ class FafoProposer:
                         state.pool, key_context(token_ids_cpu[row], int(num_tokens[i]), self.config.max_key_len),
                         drafts[row], self.config.num_candidates - 1, self.config.tree_tokens - len(drafts[row]),
                     )
+            if mode == LENGTHS_CHOSEN:
+                self.controller.note_spine_keys(found.key_lens)
             self._size_branches(step_tokens + int(lengths.sum()), states, lengths)
         return drafts
 
     def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
-                         step_tokens: int, step: FafoStep, seconds: float) -> tuple[int, ...]:
+                         branch_trials: list[tuple[int, int, int]], tokens: int, seconds: float, lane_tokens: int,
+                         tree_tokens: int, step_tokens: int) -> int:
         """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
-        index, the judge and the controller (which learns that ``step`` took ``seconds``),
-        growing what it finds short; returns (what it did with the drafts'
-        lengths, the longest and the total length chosen, the cost curve's points, its
-        answer to the next step's lane question: real tokens, -1 where none, lanes, probe)."""
+        index, the judge and the controller (which learns the step's ``branch_trials``, and
+        that its ``tokens``, ``lane_tokens`` and ``tree_tokens`` of them in its tail, took
+        ``seconds``; the next step has ``step_tokens`` before its drafts), growing what it
+        finds short; returns what it did with the drafts' lengths (the mode)."""
         slots, count = numbers[0], numbers.shape[1]
-        trials = (np.array(step.branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if step.branch_trials
-                  else _NO_TRIALS)
-        learning, curves, choice, numbers_of_step = self.controller.kernel_arguments(
-            step.num_scheduled_tokens + step.tail_tokens, seconds, step.lane_tokens,
-            0 if step.branches is None else step.branches.num_tokens, step_tokens, count,
-            not self.config.pad_drafts)
-        room = self.controller.draft_room()
+        trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once
-            held = self._held
-            if held is None or self._held_by is not curves or self._held_choice is not choice:
-                held = self._hold_step_arrays(learning, curves, choice)
-            status, num_keys, cost_points, queued, longest, total, *lane_answer = propose_kernel.propose_step(
-                numbers, num_tokens_no_spec, token_ids, held, room, len(self.judge), trials, *numbers_of_step)
+            held = self._held if self._held is not None else self._hold_step_arrays()
+            status, num_keys, queued, mode = propose_kernel.propose_step(
+                numbers, num_tokens_no_spec, token_ids, held, len(self.judge), trials, self._choose_lengths,
+                float(tokens), seconds, lane_tokens, tree_tokens, step_tokens)
             if status == propose_kernel.ROOM_OK:
                 break
             self._held = None  # what lacked room grows
@@ -621,24 +624,22 @@ class FafoProposer:
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
-        return numbers_of_step[0], longest, total, cost_points, lane_answer
+        return mode
 
-    def step_parts(self, learning: tuple, curves: tuple, choice: tuple) -> tuple:
-        """The owners' arrays for the step's kernel, with the controller's ``learning``,
-        ``curves`` and ``choice`` (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""
+    def step_parts(self) -> tuple:
+        """The owners' arrays for the step's kernel (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""
         return (*self._table.kernel_arguments(self.metrics), *self.index.kernel_arguments(self.max_model_len),
-                self.judge.kernel_arguments(), learning, curves, choice)
+                self.judge.kernel_arguments(), *self.controller.kernel_arguments())
 
-    def _hold_step_arrays(self, learning: tuple, curves: tuple, choice: tuple) -> StepArrays:
+    def _hold_step_arrays(self) -> StepArrays:
         """The step kernel's :class:`StepArrays`, held until an owner may have grown (a request
-        started, the kernel found room short, the lanes filed) or the controller's draft
-        lengths' scratch grew: gathering and comparing the owners' arrays every step cost
-        more than the kernel's work at batch 1 in an engine (docs/results/host-time.md). The
-        last step's object where nothing it holds changed."""
-        parts = self.step_parts(learning, curves, choice)
+        started, the kernel found room short, the lanes filed): gathering and comparing the
+        owners' arrays every step cost more than the kernel's work at batch 1 in an engine
+        (docs/results/host-time.md). The last step's object where nothing it holds changed."""
+        parts = self.step_parts()
         if same_or_new(self._held_parts, parts) is not self._held_parts:
             self._held_parts, self._held_object = parts, StepArrays(*parts)
-        self._held, self._held_by, self._held_choice = self._held_object, curves, choice
+        self._held = self._held_object
         return self._held
 
     def _batch_numbers(self, count: int) -> np.ndarray:
@@ -654,7 +655,7 @@ class FafoProposer:
         are int32), so that numba loads it (on a new machine: compiles it) while the engine
         starts, not in its first request's step."""
         self._run_step_kernel(np.zeros((6, 0), dtype=np.int64), np.zeros(1, dtype=np.int32),
-                              np.zeros((1, 1), dtype=np.int32), 0, FafoStep(0, {}, self.clock()), 0.0)
+                              np.zeros((1, 1), dtype=np.int32), [], 0, 0.0, 0, 0, 0)
 
     def _size_branches(self, step_tokens: int, states: list[RequestState], spine_lens: np.ndarray) -> None:
         """Cut the branches just grown to what the controller says pays next step
@@ -710,18 +711,6 @@ class FafoProposer:
             return None
         self.metrics.tree_tokens += len(ids)
         return BranchPlan(np.array(ids, dtype=np.int64), np.concatenate(positions), tuple(requests))
-
-    def _undrafted_tokens(self, step: FafoStep) -> int:
-        """Tokens of this step without its drafts (lanes and branches included): the next
-        step's size before the drafts the controller is about to size."""
-        drafts = sum(map(len, step.scheduled_spec_tokens.values()))
-        return step.num_scheduled_tokens - drafts + step.tail_tokens
-
-    def _step_seconds(self, step: FafoStep) -> float:
-        """Seconds from the start of the step to now, before drafting (the rank-zero
-        worker's under tensor parallelism): the step cost the controller learns."""
-        seconds = self.clock() - step.started
-        return seconds if self._step_time is None else self._step_time.share(seconds)
 
     def _publish_and_log(self, now: float) -> None:
         """Publish the metrics to the API server and log the controller's state, when due

@@ -58,7 +58,23 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_fafo.control import kernels
-from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED
+from vllm_fafo.control.kernels import (
+    C_ANSWER_LANES,
+    C_ANSWER_PROBED,
+    C_ANSWER_TOKENS,
+    C_ASK_MAX_LANES,
+    C_ASK_REQUESTS,
+    C_DRAFT_LEN,
+    C_DRAFT_REQUESTS,
+    C_DRAFT_TOTAL,
+    C_LANE_LEN,
+    C_LANES,
+    C_MAX_DRAFT,
+    C_PROBE_ANYWAY,
+    C_PROBE_DUE,
+    CONTROL_SIZE,
+    MIN_DRAFT_ROOM,
+)
 
 CONTROLLERS = ("goodput", "fixed")
 
@@ -98,10 +114,6 @@ TAIL_WORTH = 0.25
 """Share of its estimated reach a token past ``DRAFT_PER_MATCHED_TOKEN`` x the
 matched context is worth to :meth:`GoodputController.choose_draft_lens`."""
 
-
-MIN_DRAFT_ROOM = 4
-"""The shortest room the goodput controller asks drafts to be found in
-(:meth:`GoodputController.draft_room`): twice the longest it chose, at least this."""
 
 DRAFT_TIERS = (0, 4, 8, 16)
 """Draft lengths a padded step may take under the goodput controller (``pad_drafts``),
@@ -165,34 +177,37 @@ class StepCostModel:
     what the machine did lately, and an old expensive size gets tried again."""
 
     def __init__(self) -> None:
-        self._steps = np.zeros(1, dtype=np.int64)
+        self._steps = np.zeros(2, dtype=np.int64)
+        """The steps observed, then the points on the curve (written by the kernels)."""
         self._updated_at = np.zeros(len(_GRID), dtype=np.int64)
         self._points = np.zeros((3, len(_GRID)))
         """Each grid point's decayed mean tokens and seconds, and the samples behind it (up to
         the ``1 / weight`` its decay keeps; 0: never seen)."""
         self.fitted = np.zeros((4, len(_GRID)))
         """The curve: recent points' tokens, fitted seconds (then the kernel's scratch)."""
-        self.num_points = 0
-        """Points on the curve."""
         self._arrays = (_LOG_GRID, self._points, self._updated_at, self._steps, self.weight, self.stale_after,
                         self.forget_after, self.fitted)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
             return  # a step without tokens prices nothing
-        self.num_points = kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
+        kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
                                                float(seconds), self.weight, self.stale_after, self.forget_after,
                                                self.fitted)
 
     def kernel_arrays(self) -> tuple:
         """:meth:`observe`'s arrays and settings as :func:`~vllm_fafo.propose_kernel.propose_step`
-        takes them (the step's tokens and seconds beside them; the kernel returns
-        :attr:`num_points`): the same tuple for the model's life."""
+        takes them (the step's tokens and seconds beside them): the same tuple for the model's life."""
         return self._arrays
 
     @property
+    def num_points(self) -> int:
+        """Points on the curve."""
+        return int(self._steps[1])
+
+    @property
     def has_data(self) -> bool:
-        return self.num_points > 0
+        return self._steps[1] > 0
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
         """The recent (tokens, seconds) points, seconds made non-decreasing by a least-squares
@@ -297,8 +312,9 @@ class YieldEstimates:
     _read_only_views: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, repr=False)
     _branch_rows: np.ndarray = field(init=False, repr=False)
     """Row of :attr:`branch_trials` by rank (higher ranks share the last)."""
-    _stale: bool = field(default=True, init=False, repr=False)
-    _branch_stale: bool = field(default=True, init=False, repr=False)
+    stale: np.ndarray = field(init=False, repr=False)
+    """Whether the draft reach tables and the branch reach table are stale (1) since the
+    counts last changed: written by the step's kernel too."""
     _learning: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -313,8 +329,9 @@ class YieldEstimates:
         self._branch_reach = np.zeros((BRANCH_RANKS, self.max_draft))
         self._read_only_views = tuple(_read_only(table.view()) for table in (
             self._reach_overall, self._reach_by_row, self._branch_reach))
+        self.stale = np.ones(2, dtype=np.int64)
         self._learning = (True, self.position_trials, self.position_hits, self.draft_decay, self.row_of_key_len,
-                          self.branch_trials, self.branch_hits, self.decay, self._branch_rows, self.totals)
+                          self.branch_trials, self.branch_hits, self.decay, self._branch_rows, self.totals, self.stale)
 
     lane_prior_tokens = _total(kernels.LANE_PRIOR_TOKENS,
                                "Pseudo lane tokens that earned nothing (16 lanes of 6 tokens, one step at batch 1).")
@@ -345,17 +362,13 @@ class YieldEstimates:
 
     def counted(self) -> None:
         """A step's totals were counted (the reach tables are stale until refreshed)."""
-        self._stale = self._branch_stale = True
+        self.stale[:] = 1
 
     def learning_arguments(self) -> tuple:
         """What :func:`~vllm_fafo.propose_kernel.propose_step` counts the step's judged drafts,
-        branch trials and totals into, as :meth:`observe` does: the same tuple for the estimates' life."""
+        branch trials and totals into, as :meth:`observe` does, and marks :attr:`stale`: the
+        same tuple for the estimates' life."""
         return self._learning
-
-    def refreshed(self) -> None:
-        """The draft reach tables were brought up to date after :meth:`observe_counts` (by
-        the step's kernel, which chose draft lengths from them)."""
-        self._stale = False
 
     def lane_yield(self) -> float:
         """Accepted lane-n-gram tokens per lane token run, shrunk towards 0 by
@@ -395,17 +408,23 @@ class YieldEstimates:
     def reach_table(self) -> np.ndarray:
         """(key length rows, max_draft) reach probabilities (:meth:`reach_probability`),
         read-only; a request's row is :meth:`rows_of` its key length."""
-        if self._stale:
+        if self.stale[0]:
             kernels.draft_reach(self.position_trials, self.position_hits, self._reach_overall, self._reach_by_row)
-            self._stale = False
+            self.stale[0] = 0
         return self._read_only_views[1]
 
     def reach_arrays(self) -> tuple[np.ndarray, np.ndarray, bool]:
         """The reach tables, writable, and whether they are stale, for a kernel that brings
         them up to date (:func:`~vllm_fafo.control.kernels.choose_draft_lengths`): they are
         counted fresh from the call on."""
-        stale, self._stale = self._stale, False
+        stale = bool(self.stale[0])
+        self.stale[0] = 0
         return self._reach_overall, self._reach_by_row, stale
+
+    def reach_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The reach tables, writable, for the step's kernel, which refreshes them when it
+        chooses from them and marks them in :attr:`stale`."""
+        return self._reach_overall, self._reach_by_row
 
     def rows_of(self, key_lens: np.ndarray) -> np.ndarray:
         """Rows of the draft yields for drafts found under ``key_lens``."""
@@ -419,10 +438,10 @@ class YieldEstimates:
         ``branch_prior`` and each later one towards the position before it (one
         pseudo-trial each). With branches off, the trials decay and the rates drift
         back to the prior, so branches are tried again now and then."""
-        if self._branch_stale:
+        if self.stale[1]:
             kernels.reach(self.branch_trials, self.branch_hits, np.full(BRANCH_RANKS, self.branch_prior),
                           np.ones(BRANCH_RANKS), self._branch_reach)
-            self._branch_stale = False
+            self.stale[1] = 0
         return self._read_only_views[2]
 
 
@@ -442,13 +461,47 @@ class BranchSet:
     lengths: np.ndarray  # its tokens
 
 
-@dataclass
+def control_array(max_draft: int, lane_len: int) -> np.ndarray:
+    """A controller's ``control`` array (:data:`~vllm_fafo.control.kernels.CONTROL_SIZE`
+    entries): no lanes, no question asked nor answered, ``max_draft`` chosen last by one request."""
+    control = np.zeros(CONTROL_SIZE, dtype=np.int64)
+    control[C_ANSWER_TOKENS] = -1
+    control[C_DRAFT_LEN] = control[C_DRAFT_TOTAL] = control[C_MAX_DRAFT] = max_draft
+    control[C_DRAFT_REQUESTS] = 1
+    control[C_LANE_LEN] = lane_len
+    return control
+
+
 class Decision:
-    lanes: int
-    draft_len: int  # the longest draft of the last step
-    mean_draft_len: float = 0.0
-    probe: bool = False
-    tree_tokens: int = 0  # branch tokens the last step planned, all requests together
+    """A controller's latest choices: the lanes and draft lengths read from its ``control``
+    array (the step's kernel writes them there), the rest kept here."""
+
+    def __init__(self, control: np.ndarray) -> None:
+        self.control = control
+        self.probe = False
+        self.tree_tokens = 0
+        """Branch tokens the last step planned, all requests together."""
+
+    @property
+    def lanes(self) -> int:
+        return int(self.control[C_LANES])
+
+    @lanes.setter
+    def lanes(self, value: int) -> None:
+        self.control[C_LANES] = value
+
+    @property
+    def draft_len(self) -> int:
+        """The longest draft chosen last."""
+        return int(self.control[C_DRAFT_LEN])
+
+    @property
+    def mean_draft_len(self) -> float:
+        return int(self.control[C_DRAFT_TOTAL]) / int(self.control[C_DRAFT_REQUESTS])
+
+    def chose(self, longest: int, total: int, requests: int) -> None:
+        """Draft lengths were chosen: ``longest`` the longest, ``total`` their sum over ``requests``."""
+        self.control[C_DRAFT_LEN:C_DRAFT_REQUESTS + 1] = longest, total, requests
 
 
 class FixedController:
@@ -458,12 +511,14 @@ class FixedController:
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
-        self.last = Decision(0, max_draft)
+        self.control = control_array(max_draft, 0)
+        self.last = Decision(self.control)
         table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
-        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index, np.zeros(6))
-        curve = StepCostModel().kernel_arrays()  # never observed (the step's numbers say so)
+        self._learning = (False, table, table, 1.0, index, table, table, 1.0, index, np.zeros(6),
+                          np.zeros(2, dtype=np.int64))
+        curve = StepCostModel().kernel_arrays()  # never observed (learning's first entry says so)
         self._curves = (curve, curve, curve)
-        self._choice = (np.zeros(1), table, table, index)
+        self._choice = (np.zeros(1), table, table, self.control)
 
     def draft_room(self) -> int:
         """Drafts are found whole: ``max_draft`` tokens at most."""
@@ -487,18 +542,12 @@ class FixedController:
     def observe_tiers(self, uniform_draft_len: int, decoding_requests: int, seconds: float) -> None:
         return None
 
-    def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
-                         requests: int, choose: bool) -> tuple[tuple, tuple, tuple, tuple]:
-        """Nothing learned, every draft as found, or (not ``choose``: ``pad_drafts``) padded
-        to ``max_draft`` in the kernel (:meth:`GoodputController.kernel_arguments`' types, so
-        that both controllers run one compiled kernel)."""
-        return self._learning, self._curves, self._choice, (
-            LENGTHS_FOUND if choose else LENGTHS_PADDED, False, 0, 0.0, 0.0, 0, 0, 0, False, 0, False, 0, 0, 0, 0, 0,
-            False, False)
-
-    def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
-                    decoding_requests: int, lane_answer: tuple[int, int, bool]) -> None:
-        return None
+    def kernel_arguments(self) -> tuple[tuple, tuple, tuple]:
+        """Nothing learned (the learning's first entry), every draft as found, or padded to
+        ``max_draft`` (``pad_drafts``) in the kernel, no lane question asked
+        (:meth:`GoodputController.kernel_arguments`' types, so that both controllers run one
+        compiled kernel)."""
+        return self._learning, self._curves, self._choice
 
     def summary(self) -> dict:
         return {"controller": self.name, "lanes": self.last.lanes, "draft_len": self.max_draft}
@@ -539,22 +588,17 @@ class GoodputController:
         self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
                                      TAIL_WORTH, 1.0)
         """Share of its reach each draft position is worth, by matched key length (0: no match)."""
-        self.last = Decision(0, max_draft, float(max_draft))
-        self._asked: tuple[int, int, int] | None = None
-        """The last lane question's requests with lanes, decoding requests and most lanes:
-        the step's kernel asks the next step's question for them (None: none asked yet)."""
-        self._answer: tuple[int, int, int, int, int, bool] | None = None
-        """The step's kernel's answer to the next step's lane question: its question (real
-        tokens, requests with lanes, decoding requests, most lanes), then lanes and probe;
-        None once the controller learned anything after it."""
-        self._lengths = np.zeros(0, dtype=np.int64)
-        """The draft lengths :func:`~vllm_fafo.propose_kernel.propose_step` chooses (scratch)."""
-        self._observed: StepCostModel | None = None
-        """The cost curve the step's kernel observes (:meth:`kernel_arguments`; None: none)."""
-        self._choice: tuple | None = None
-        """:meth:`kernel_arguments`' choice tuple (the same object while its parts are)."""
+        self.control = control_array(max_draft, lane_len)
+        """The lanes and draft lengths chosen last, the last lane question, the probe's state
+        for the next and the step kernel's answer to it (:data:`~vllm_fafo.control.kernels.C_LANES`
+        ...): read and written by the step's kernel, so that no Python runs for the controller
+        around it (an answer of real tokens -1: none, or the controller learned anything since)."""
+        self.last = Decision(self.control)
+        self._note_probe()
         self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
         """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
+        self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control)
+        """What the step's kernel chooses draft lengths and the next lane question with."""
 
     # Decisions -----------------------------------------------------------------------
     def draft_room(self) -> int:
@@ -583,30 +627,40 @@ class GoodputController:
         steps; where the cost curve says lanes could not pay even at the yield they
         showed (a CPU, where every lane token costs), probing again only spends: such
         probes wait for the longest interval (or for the curve or the yield to change)."""
+        control = self.control
         if max_lanes <= 0 or lane_requests <= 0:
-            self.last.lanes, self.last.probe = 0, False
+            control[C_LANES], self.last.probe = 0, False
             return 0
-        answer, self._answer = self._answer, None
-        if answer is not None and answer[:4] == (real_tokens, lane_requests, decoding_requests, max_lanes):
-            best, probed = answer[4], answer[5]  # asked by the step's kernel, of the same state
+        numbers = control.tolist()
+        control[C_ANSWER_TOKENS] = -1
+        question = (real_tokens, lane_requests, decoding_requests, max_lanes)
+        if (numbers[C_ANSWER_TOKENS], *numbers[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question:
+            best, probed = numbers[C_ANSWER_LANES], numbers[C_ANSWER_PROBED] != 0  # the step kernel's, of this state
         else:
             plain, probe = self._plain_cost(), self._lane_probe
             best, probed = kernels.choose_lanes(
                 self.yields.totals, self.lane_len, lane_requests, real_tokens, decoding_requests, max_lanes,
                 plain.fitted, plain.num_points, self.lane_cost.fitted, self.lane_cost.num_points, probe.due(),
                 probe.in_burst() or probe.overdue())
-        self._asked = (lane_requests, decoding_requests, max_lanes)
         self._lane_probe.step(chosen=best > 0, probe=probed)
-        self.last.lanes, self.last.probe = best, probed
+        control[C_LANES:C_ASK_MAX_LANES + 1] = best, lane_requests, decoding_requests, max_lanes
+        self._note_probe()
+        self.last.probe = probed
         return best
 
-    def _plain_cost(self, gaining: StepCostModel | None = None) -> StepCostModel:
+    def _note_probe(self) -> None:
+        """The probe's state for the next lane question, where the step's kernel reads it:
+        due, and run whatever the estimates say (in a burst, or overdue)."""
+        probe = self._lane_probe
+        self.control[C_PROBE_DUE:C_PROBE_ANYWAY + 1] = probe.due(), probe.in_burst() or probe.overdue()
+
+    def _plain_cost(self) -> StepCostModel:
         """The curve steps without lanes or branches are priced by: their own, or, where
-        lanes ran in every recent step (its points all forgotten), the lane steps'; as
-        they will be once ``gaining`` has observed a step (None: as they are)."""
-        if self.cost.has_data or gaining is self.cost:
+        lanes ran in every recent step (its points all forgotten), the lane steps' (the
+        step's kernel picks it so too)."""
+        if self.cost.has_data:
             return self.cost
-        return self.lane_cost if self.lane_cost.has_data or gaining is self.lane_cost else self.cost
+        return self.lane_cost if self.lane_cost.has_data else self.cost
 
     def _tree_step_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds of steps with branches of ``tokens`` tokens: the dearer of the tree
@@ -648,7 +702,7 @@ class GoodputController:
             yields.position_trials, yields.position_hits, *yields.reach_arrays(), yields.row_of_key_len,
             self._worth_share, key_lens, available, plain.fitted, plain.num_points, lane_curve.fitted,
             lane_curve.num_points if lanes_on else 0, step_tokens, lengths)
-        self.last.draft_len, self.last.mean_draft_len = longest, total / len(lengths)
+        self.last.chose(longest, total, len(lengths))
         return lengths
 
     def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
@@ -691,8 +745,7 @@ class GoodputController:
         return seconds
 
     def _chose_tier(self, tier: int) -> int:
-        self.last.draft_len = tier
-        self.last.mean_draft_len = float(tier)
+        self.last.chose(tier, tier, 1)
         return tier
 
     def choose_branches(self, step_tokens: int, spine_lens: np.ndarray, branches: BranchSet) -> np.ndarray:
@@ -740,7 +793,7 @@ class GoodputController:
         could not tell from the price of the tokens. (On the 2-core CPU a step with a
         lane probe took 15-26 % more than a plain step of as many tokens; in the plain
         curve such steps made the drafts after a probe look dearer than they were.)"""
-        self._answer = None
+        self.control[C_ANSWER_TOKENS] = -1
         self._curve_of(outcome.lane_tokens, outcome.tree_tokens).observe(outcome.tokens, outcome.seconds)
         self.observe_tiers(outcome.uniform_draft_len, outcome.decoding_requests, outcome.seconds)
         self.yields.observe(outcome)
@@ -755,59 +808,20 @@ class GoodputController:
             tier = self.tier_cost.setdefault(uniform_draft_len, StepCostModel())
             tier.observe(decoding_requests, seconds)
 
-    def kernel_arguments(self, tokens: int, seconds: float, lane_tokens: int, tree_tokens: int, step_tokens: int,
-                         requests: int, choose: bool) -> tuple[tuple, tuple, tuple, tuple]:
-        """The learning, the cost curves and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`
-        (:meth:`finish_step` after it), for a step of ``tokens`` tokens (``lane_tokens`` and
-        ``tree_tokens`` of them in its tail) that took ``seconds``, and the ``requests`` drafts
-        of the next, of ``step_tokens`` tokens without them: the cost curve of such steps
-        observes it, the yields learn the judged drafts and the step's branch trials (:meth:`observe`);
-        where ``choose``, the drafts are cut as :meth:`choose_draft_lens` would cut them (as
-        found where it would leave them whole); otherwise (``pad_drafts``) the caller cuts.
-        The first three tuples are the same objects while the draft lengths' scratch is
-        (:mod:`vllm_fafo.step_arrays`): the three curves (plain, lane and tree steps') are in
-        them whole; the last tuple is the step's numbers (mode, observe, the curve observed,
-        tokens, seconds, the curve that prices plain steps, its points and the lane curve's,
-        whether the next step is priced with lanes, ``step_tokens``, whether the step's
-        observation moves the plain curve, ``lane_tokens``) and the next step's lane question
-        (:meth:`choose_lanes`, asked in the kernel where the last step asked one: tokens per
-        lane, requests with lanes, decoding requests and most lanes as last asked, the
-        probe due, the probe run anyway), whose answer :meth:`finish_step` keeps."""
-        observed_curve = 2 if tree_tokens else 1 if lane_tokens else 0  # as _curve_of
-        observed = self._curve_of(lane_tokens, tree_tokens)
-        self._observed = observed if tokens >= 1 else None  # a step of no tokens teaches nothing
-        plain, lane_curve = self._plain_cost(self._observed), self.lane_cost
-        lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
-        plain_has_data = plain.has_data or plain is self._observed
-        mode = (LENGTHS_LATER if not choose else
-                LENGTHS_CHOSEN if requests and (lanes_on or plain_has_data) else LENGTHS_FOUND)
-        yields = self.yields
-        reach_overall, reach_by_row, _ = yields.reach_arrays()  # the kernel refreshes them where it chooses
-        if len(self._lengths) < requests or self._choice is None:
-            self._lengths = np.zeros(max(2 * requests, len(self._lengths)), dtype=np.int64)
-            self._choice = (reach_overall, reach_by_row, self._worth_share, self._lengths)
-        asked, probe = self._asked or (0, 0, 0), self._lane_probe
-        return yields.learning_arguments(), self._curves, self._choice, (
-            mode, tokens >= 1, observed_curve, float(tokens), float(seconds), 0 if plain is self.cost else 1,
-            plain.num_points, lane_curve.num_points, lanes_on, step_tokens, plain is observed, lane_tokens,
-            self.lane_len, *asked, probe.due(), probe.in_burst() or probe.overdue())
+    def kernel_arguments(self) -> tuple[tuple, tuple, tuple]:
+        """The learning, the cost curves and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`,
+        the same objects for the controller's life (:mod:`vllm_fafo.step_arrays`). The kernel
+        does what :meth:`observe` and :meth:`choose_draft_lens` do: the cost curve of the step's
+        kind observes it, the yields learn the judged drafts and the step's branch trials, the
+        drafts are cut as :meth:`choose_draft_lens` would cut them (where the proposer does
+        not pad them to tiers); it notes what it chose, and asks the next step's lane
+        question (:meth:`choose_lanes`) where the last step asked one, in :attr:`control`."""
+        return self.yields.learning_arguments(), self._curves, self._choice
 
-    def finish_step(self, mode: int, cost_points: int, key_lens: np.ndarray, longest: int, total: int,
-                    decoding_requests: int, lane_answer: tuple[int, int, bool]) -> None:
-        """After :func:`~vllm_fafo.propose_kernel.propose_step`: the points of the cost curve
-        it observed (``cost_points``), the step's totals counted, where it chose draft
-        lengths (``mode``) what it chose (the longest, the sum) and from which key lengths
-        (``key_lens``, one per request), and its answer to the next step's lane question
-        (``lane_answer``: the question's real tokens, -1 where it asked none, lanes, probe)."""
-        if self._observed is not None:
-            self._observed.num_points = cost_points
-        self.yields.counted()
-        real_tokens, lanes, probed = lane_answer
-        self._answer = None if real_tokens < 0 else (real_tokens, *self._asked, lanes, probed)
-        if mode == LENGTHS_CHOSEN:
-            self.yields.refreshed()
-            self._spine_key_lens = key_lens
-            self.last.draft_len, self.last.mean_draft_len = longest, total / decoding_requests
+    def note_spine_keys(self, key_lens: np.ndarray) -> None:
+        """The step's kernel chose the spines' lengths by these key lengths, one per request
+        (:meth:`choose_branches` reads them as :meth:`choose_draft_lens` left them)."""
+        self._spine_key_lens = key_lens
 
     def summary(self) -> dict:
         tokens, seconds = self.cost.curve()

@@ -138,7 +138,8 @@ def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarra
     """A step cost model's update (:class:`~vllm_fafo.control.goodput.StepCostModel`):
     the nearest grid point's decayed mean (``points``: tokens, seconds and samples
     rows) takes the step of ``tokens`` tokens and ``seconds``; the recent points are
-    fitted into ``curve`` (tokens row, seconds row); returns how many there are."""
+    fitted into ``curve`` (tokens row, seconds row); how many there are is written into
+    ``steps[1]`` (``steps[0]`` counts the steps) and returned."""
     steps[0] += 1
     target = np.log(tokens)
     point, nearest = 0, np.inf
@@ -162,6 +163,7 @@ def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarra
             curve[3, count] = points[2, i]
             count += 1
     fit_isotonic(curve[2, :count], curve[3, :count], curve[1, :count])
+    steps[1] = count
     return count
 
 
@@ -261,6 +263,30 @@ def choose_lane_count(options: np.ndarray, lane_len: int, lane_requests: int, re
                 probe = True
                 break
     return (size if probe else 0), probe
+
+
+(C_LANES, C_ASK_REQUESTS, C_ASK_DECODING, C_ASK_MAX_LANES, C_PROBE_DUE, C_PROBE_ANYWAY, C_ANSWER_TOKENS,
+ C_ANSWER_LANES, C_ANSWER_PROBED, C_DRAFT_LEN, C_DRAFT_TOTAL, C_DRAFT_REQUESTS, C_MAX_DRAFT, C_LANE_LEN,
+ CONTROL_SIZE) = range(15)
+"""The entries of a controller's ``control`` array (int64), which the step's kernel reads and
+writes in place, so that no Python runs for the controller around it: the lanes per
+request this step; the last lane question (requests with lanes, decoding requests, most
+lanes; zeros: none asked) and the probe's state for the next (due, run anyway); the
+kernel's answer to that question for the next step (its real tokens, -1 where none; lanes;
+probe); the draft lengths chosen last (the longest, their sum, the requests); then the
+controller's settings (``num_speculative_tokens``, the lanes' length)."""
+
+MIN_DRAFT_ROOM = 4
+"""The shortest room the goodput controller asks drafts to be found in
+(:func:`draft_room`): twice the longest it chose, at least this."""
+
+
+@njit(cache=True, inline="always")
+def draft_room(control: np.ndarray) -> int:
+    """The longest drafts worth finding for the next step: twice the longest chosen last
+    (at least :data:`MIN_DRAFT_ROOM`), at most ``num_speculative_tokens``
+    (:meth:`~vllm_fafo.control.goodput.GoodputController.draft_room`)."""
+    return min(control[C_MAX_DRAFT], max(MIN_DRAFT_ROOM, 2 * control[C_DRAFT_LEN]))
 
 
 TOTAL_LANE_TOKENS, TOTAL_LANE_ACCEPTED, TOTAL_DECODE_ROWS, TOTAL_TEXT_ACCEPTED, LANE_PRIOR_TOKENS, LANE_YIELD_UNSEEN = \
@@ -391,7 +417,7 @@ def load_kernels() -> None:
     choose_lengths(reach_table, index, np.ones((2, 3)), index, np.ones(1, dtype=np.int64), 1.0, np.ones(2),
                    np.zeros(1, dtype=np.int64))
     grid, curve = np.zeros(3), np.zeros((4, 3))
-    count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0, 1.0,
+    count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64), 1.0, 1.0,
                          0.5, 1, 1, curve)
     step_seconds(curve, count, curve, count, 1, np.zeros(2))
     choose_lane_count(np.arange(2), 1, 1, 1, 1, 1.0, 0.1, 0.1, curve, count, curve, count, True, False, np.zeros(4))

@@ -472,3 +472,60 @@ def test_batched_lane_attention_equals_one_call_per_request():
         t = slice(r * n, (r + 1) * n)
         want = lane_attention(q[t], k[t], v[t], rk[r][valid[r]], rv[r][valid[r]], lanes, lane_len, SCALE)
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
+
+
+class _RowsEveryStep(FumbleLanes):
+    """Plans every step from its rows (the parked steps' shortcut taken out)."""
+
+    def plan_step(self, batch, lanes_for=None):
+        self._parked = None
+        return super().plan_step(batch, lanes_for)
+
+
+def test_parked_steps_planned_without_their_rows_plan_as_with_them():
+    """Requests joining (prompt chunks) and leaving, decoding with random drafts, lanes off
+    for stretches and on now and then: the planner that skips the rows of a step whose
+    requests all decoded parked last step asks the lane chooser the same questions and
+    plans the same steps as one that reads every step's rows, and it did skip some."""
+    policy = StreamingPolicy(2, 8, StreamingPolicy.Settings())
+    planners = [cls(num_lanes=2, lane_len=2, max_key_len=2, max_drafts=3, max_model_len=4096, region_rows=3,
+                    policy=policy, park_when_off=True) for cls in (FumbleLanes, _RowsEveryStep)]
+    rng = np.random.default_rng(4)
+    questions: list[list[tuple]] = [[], []]
+    skipped, positions, running = 0, {}, []
+    for step in range(120):
+        if step % 25 == 0:  # a request joins with a 5-token prompt
+            running.append(f"r{step}")
+        if step % 40 == 39:
+            for lanes in planners:
+                lanes.remove_requests([running[0]])
+            running = running[1:]
+        sizes, drafts, firsts = [], [], []
+        for req_id in running:
+            first = positions.get(req_id, 0)
+            drafted = 0 if first == 0 else int(rng.integers(0, 4))
+            sizes.append(5 if first == 0 else 1 + drafted)
+            drafts.append(drafted)
+            firsts.append(first)
+        batch = BatchView(list(running), np.concatenate([[0], np.cumsum(sizes)]), np.array(firsts), drafts,
+                          int(sum(sizes)), 100)
+        on = rng.random() < 0.1
+        plans = []
+        for lanes, asked in zip(planners, questions):
+            before = lanes._parked
+            plans.append(lanes.plan_step(batch, lambda *question, asked=asked, on=on: asked.append(question) or
+                                         (question[3] if on else 0)))
+            skipped += lanes is planners[0] and before is not None and lanes._parked is before
+        assert questions[0] == questions[1], f"step {step}"
+        if plans[0] is None or plans[1] is None:
+            assert plans[0] is plans[1] is None, f"step {step}"
+        else:
+            for name in ("commit_dst", "write_dst", "stage_dst", "tail_ids", "tail_positions"):
+                assert getattr(plans[0], name).tolist() == getattr(plans[1], name).tolist(), f"step {step}: {name}"
+            assert [c.positions.tolist() for c in plans[0].catch_up] == [c.positions.tolist() for c in plans[1].catch_up]
+        for req_id, first, size in zip(running, firsts, sizes):
+            if first == 0:
+                for lanes in planners:
+                    lanes.start_lanes(req_id, list(range(1, 6)))
+            positions[req_id] = first + (size if first == 0 else 1 + int(rng.integers(0, size)))
+    assert skipped > 20, skipped

@@ -594,7 +594,7 @@ class GoodputController:
         ...): read and written by the step's kernel, so that no Python runs for the controller
         around it (an answer of real tokens -1: none, or the controller learned anything since)."""
         self.last = Decision(self.control)
-        self._note_probe()
+        self.control[C_PROBE_DUE:C_PROBE_ANYWAY + 1] = self._lane_probe.flags()
         self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
         """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
         self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control)
@@ -632,8 +632,9 @@ class GoodputController:
             control[C_LANES], self.last.probe = 0, False
             return 0
         numbers = control.tolist()
-        control[C_ANSWER_TOKENS] = -1
         question = (real_tokens, lane_requests, decoding_requests, max_lanes)
+        if numbers[C_ANSWER_TOKENS] >= 0:
+            control[C_ANSWER_TOKENS] = -1  # taken
         if (numbers[C_ANSWER_TOKENS], *numbers[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question:
             best, probed = numbers[C_ANSWER_LANES], numbers[C_ANSWER_PROBED] != 0  # the step kernel's, of this state
         else:
@@ -643,16 +644,11 @@ class GoodputController:
                 plain.fitted, plain.num_points, self.lane_cost.fitted, self.lane_cost.num_points, probe.due(),
                 probe.in_burst() or probe.overdue())
         self._lane_probe.step(chosen=best > 0, probe=probed)
-        control[C_LANES:C_ASK_MAX_LANES + 1] = best, lane_requests, decoding_requests, max_lanes
-        self._note_probe()
+        chosen = [best, *question[1:], *self._lane_probe.flags()]
+        if chosen != numbers[C_LANES:C_PROBE_ANYWAY + 1]:  # written only where it changed: a cold step's cost
+            control[C_LANES:C_PROBE_ANYWAY + 1] = chosen
         self.last.probe = probed
         return best
-
-    def _note_probe(self) -> None:
-        """The probe's state for the next lane question, where the step's kernel reads it:
-        due, and run whatever the estimates say (in a burst, or overdue)."""
-        probe = self._lane_probe
-        self.control[C_PROBE_DUE:C_PROBE_ANYWAY + 1] = probe.due(), probe.in_burst() or probe.overdue()
 
     def _plain_cost(self) -> StepCostModel:
         """The curve steps without lanes or branches are priced by: their own, or, where
@@ -872,6 +868,12 @@ class _Probe:
     def overdue(self) -> bool:
         """Off for the longest interval: tried whatever the estimates say."""
         return self.steps_off >= self.max_interval
+
+    def flags(self) -> tuple[int, int]:
+        """Whether it is due, and whether it runs whatever the estimates say (in a burst, or
+        overdue), as the step's kernel reads them (:data:`~vllm_fafo.control.kernels.C_PROBE_DUE`)."""
+        in_burst = self.burst_left > 0
+        return int(in_burst or self.steps_off >= self.interval), int(in_burst or self.steps_off >= self.max_interval)
 
     def step(self, chosen: bool, probe: bool) -> None:
         if probe:

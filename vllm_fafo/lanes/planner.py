@@ -89,6 +89,11 @@ class FumbleLanes:
     """Requests planned at least once: only a request's first chunk may take a row."""
     _step_buffers: dict[LaneTier, LaneStepBuffers] = field(default_factory=dict)
     """Device buffers of each tier a step has needed, kept for the engine's life."""
+    _parked: tuple[list[str], int] | None = None
+    """The requests of the last step, if every one of them decoded and the step parked
+    its regions (no new row, no prompt chunk, no lanes), with how many hold a region:
+    while the same requests decode and lanes stay off, nothing of theirs changes and a
+    step is planned without looking at its rows (None: plan from the rows)."""
 
     def __post_init__(self) -> None:
         self._free_rows = list(range(self.region_rows - 1, -1, -1))
@@ -101,6 +106,7 @@ class FumbleLanes:
 
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:
+            self._parked = None
             self._seen.discard(req_id)
             state = self._requests.pop(req_id, None)
             if state is not None:
@@ -127,13 +133,27 @@ class FumbleLanes:
 
         ``lanes_for`` (the goodput controller) picks the lanes per request, at
         most what the free token slots allow; None: that maximum."""
-        rows, new_rows, num_decoding = self._rows_with_region(batch)
-        decode_rows = [r for r in rows if r.is_decode]
-        active = self._active_lanes(batch, len(decode_rows), num_decoding, lanes_for)
+        parked, self._parked = self._parked, None
+        if parked is not None and parked[0] == batch.req_ids and \
+                batch.num_tokens == len(batch.req_ids) + sum(batch.num_drafts):
+            # the requests of the last step, parked, decode again (a request that decoded
+            # is scheduled one token and its drafts): ask for lanes first
+            active = self._active_lanes(batch, parked[1], len(batch.req_ids), lanes_for)
+            if active == 0:  # still parked: their staging was reset when they parked
+                self._parked = parked
+                return None
+            rows, new_rows, num_decoding = self._rows_with_region(batch)
+            decode_rows = [r for r in rows if r.is_decode]
+        else:
+            rows, new_rows, num_decoding = self._rows_with_region(batch)
+            decode_rows = [r for r in rows if r.is_decode]
+            active = self._active_lanes(batch, len(decode_rows), num_decoding, lanes_for)
         park = self.park_when_off and active == 0
         if park and not new_rows and len(decode_rows) == len(rows):  # no region work, no lanes: no plan
             for r in rows:
                 r.state.num_drafts_staged, r.state.staged_x_pos = 0, -1
+            if num_decoding == len(batch.req_ids):
+                self._parked = (list(batch.req_ids), len(decode_rows))
             return None
         layout = self.policy.layout
         commit_src, commit_dst, write_src, write_dst, stage_src, stage_dst = ([] for _ in range(6))

@@ -633,8 +633,6 @@ class GoodputController:
             return 0
         numbers = control.tolist()
         question = (real_tokens, lane_requests, decoding_requests, max_lanes)
-        if numbers[C_ANSWER_TOKENS] >= 0:
-            control[C_ANSWER_TOKENS] = -1  # taken
         if (numbers[C_ANSWER_TOKENS], *numbers[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question:
             best, probed = numbers[C_ANSWER_LANES], numbers[C_ANSWER_PROBED] != 0  # the step kernel's, of this state
         else:
@@ -643,10 +641,11 @@ class GoodputController:
                 self.yields.totals, self.lane_len, lane_requests, real_tokens, decoding_requests, max_lanes,
                 plain.fitted, plain.num_points, self.lane_cost.fitted, self.lane_cost.num_points, probe.due(),
                 probe.in_burst() or probe.overdue())
-        self._lane_probe.step(chosen=best > 0, probe=probed)
-        chosen = [best, *question[1:], *self._lane_probe.flags()]
-        if chosen != numbers[C_LANES:C_PROBE_ANYWAY + 1]:  # written only where it changed: a cold step's cost
-            control[C_LANES:C_PROBE_ANYWAY + 1] = chosen
+        # the lanes, the question, the probe's state for the next and the answer taken, in one
+        # write (the entries C_LANES .. C_ANSWER_TOKENS), where any changed: a cold step's cost
+        chosen = [best, *question[1:], *self._lane_probe.step(chosen=best > 0, probe=probed), -1]
+        if chosen != numbers[: C_ANSWER_TOKENS + 1]:
+            control[: C_ANSWER_TOKENS + 1] = chosen
         self.last.probe = probed
         return best
 
@@ -875,7 +874,8 @@ class _Probe:
         in_burst = self.burst_left > 0
         return int(in_burst or self.steps_off >= self.interval), int(in_burst or self.steps_off >= self.max_interval)
 
-    def step(self, chosen: bool, probe: bool) -> None:
+    def step(self, chosen: bool, probe: bool) -> tuple[int, int]:
+        """A lane choice was made (lanes ``chosen``, or a ``probe`` run); returns :meth:`flags` after it."""
         if probe:
             self.burst_left = (self.burst_left or self.burst) - 1
             if self.burst_left == 0:
@@ -885,6 +885,7 @@ class _Probe:
             self.steps_off, self.burst_left, self.interval = 0, 0, self.base
         else:
             self.steps_off += 1
+        return self.flags()
 
 
 def make_controller(name: str, lane_len: int, max_draft: int, max_key_len: int) -> FixedController | GoodputController:

@@ -274,7 +274,9 @@ request this step; the last lane question (requests with lanes, decoding request
 lanes; zeros: none asked) and the probe's state for the next (due, run anyway); the
 kernel's answer to that question for the next step (its real tokens, -1 where none; lanes;
 probe); the draft lengths chosen last (the longest, their sum, the requests); then the
-controller's settings (``num_speculative_tokens``, the lanes' length)."""
+controller's settings (``num_speculative_tokens``, the lanes' length). In this order:
+:meth:`~vllm_fafo.control.goodput.GoodputController.choose_lanes` writes the entries up to
+the answer's tokens in one."""
 
 MIN_DRAFT_ROOM = 4
 """The shortest room the goodput controller asks drafts to be found in

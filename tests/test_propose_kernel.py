@@ -8,7 +8,7 @@ import torch
 
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController
-from vllm_fafo.control.kernels import C_ANSWER_TOKENS, C_ASK_MAX_LANES, C_ASK_REQUESTS
+from vllm_fafo.control.kernels import C_ASK_MAX_LANES, C_ASK_REQUESTS
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED
 from vllm_fafo.proposer import FafoProposer, pad_drafts
@@ -282,8 +282,8 @@ def test_the_lane_question_the_step_kernel_asks_is_the_one_the_lanes_would_ask()
         drafts = proposer.propose(sampled, num_tokens[rows], history[rows])
         scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
         question = (len(req_ids) + sum(map(len, drafts)) + (step % 11 == 5), len(req_ids), len(req_ids), 8)
-        control = controller.control
-        foreseen += (control[C_ANSWER_TOKENS], *control[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question
+        answer, control = controller.kernel_answer, controller.control
+        foreseen += (answer[0], *control[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question
         want = lane_choice_reference(controller, *question)
         assert controller.choose_lanes(*question) == want[0], f"step {step}"
         assert controller.last.probe == want[1], f"step {step}"

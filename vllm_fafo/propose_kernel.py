@@ -19,9 +19,6 @@ from numba import njit
 
 from vllm_fafo.control.draft_judge import judge_drafts, queue_drafts
 from vllm_fafo.control.kernels import (
-    C_ANSWER_LANES,
-    C_ANSWER_PROBED,
-    C_ANSWER_TOKENS,
     C_ASK_DECODING,
     C_ASK_MAX_LANES,
     C_ASK_REQUESTS,
@@ -106,10 +103,10 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     7. where the last lane question asked for lanes (and the drafts are kept here), ask the
        next step's as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`): its
        tokens the requests and their drafts, as many requests with lanes and most lanes as
-       last asked; the answer noted in ``control``. Asked between two forwards anyway, it
-       saves the lanes' planning a cold call.
+       last asked. Asked between two forwards anyway, it saves the lanes' planning a cold call.
 
-    Returns (room status, keys filed, the judge's new count, the mode). A status other
+    Returns (room status, keys filed, the judge's new count, the mode, the lane question's
+    answer: its real tokens, -1 where none was asked; lanes; probe). A status other
     than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what lacks
     room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
@@ -126,16 +123,16 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
-        return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND
+        return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, (-1, 0, False)
     for i in range(count):
         if slots[i] >= len(index_of_slot):
-            return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND
+            return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, (-1, 0, False)
         num_tokens[i] = num_tokens_no_spec[rows[i]]
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
                                       seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
     if status != ROOM_OK:
-        return status, num_keys, judge_count, LENGTHS_FOUND
+        return status, num_keys, judge_count, LENGTHS_FOUND, (-1, 0, False)
     if learn and tokens >= 1:  # a step of no tokens prices nothing
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
@@ -179,13 +176,11 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)
-    control[C_ANSWER_TOKENS] = -1
+    asked_tokens, lanes_chosen, probed = -1, 0, False
     ask_requests, ask_max_lanes = control[C_ASK_REQUESTS], control[C_ASK_MAX_LANES]
     if ask_requests > 0 and ask_max_lanes > 0 and mode != LENGTHS_LATER:
         asked_tokens = count + found_lens[:count].sum()
         lanes_chosen, probed = choose_lanes(totals, control[C_LANE_LEN], ask_requests, asked_tokens,
                                             control[C_ASK_DECODING], ask_max_lanes, plain, plain_count, lanes,
                                             lane_points, control[C_PROBE_DUE] != 0, control[C_PROBE_ANYWAY] != 0)
-        control[C_ANSWER_TOKENS], control[C_ANSWER_LANES], control[C_ANSWER_PROBED] = \
-            asked_tokens, lanes_chosen, probed
-    return ROOM_OK, num_keys, judge_count, mode
+    return ROOM_OK, num_keys, judge_count, mode, (asked_tokens, lanes_chosen, probed)

@@ -610,7 +610,7 @@ class FafoProposer:
         trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once
             held = self._held if self._held is not None else self._hold_step_arrays()
-            status, num_keys, queued, mode = propose_kernel.propose_step(
+            status, num_keys, queued, mode, lane_answer = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, held, len(self.judge), trials, self._choose_lengths,
                 float(tokens), seconds, lane_tokens, tree_tokens, step_tokens)
             if status == propose_kernel.ROOM_OK:
@@ -624,6 +624,7 @@ class FafoProposer:
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
+        self.controller.kernel_answer = lane_answer
         return mode
 
     def step_parts(self) -> tuple:

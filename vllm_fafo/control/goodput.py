@@ -59,11 +59,6 @@ import numpy as np
 
 from vllm_fafo.control import kernels
 from vllm_fafo.control.kernels import (
-    C_ANSWER_LANES,
-    C_ANSWER_PROBED,
-    C_ANSWER_TOKENS,
-    C_ASK_MAX_LANES,
-    C_ASK_REQUESTS,
     C_DRAFT_LEN,
     C_DRAFT_REQUESTS,
     C_DRAFT_TOTAL,
@@ -71,7 +66,6 @@ from vllm_fafo.control.kernels import (
     C_LANES,
     C_MAX_DRAFT,
     C_PROBE_ANYWAY,
-    C_PROBE_DUE,
     CONTROL_SIZE,
     MIN_DRAFT_ROOM,
 )
@@ -463,9 +457,8 @@ class BranchSet:
 
 def control_array(max_draft: int, lane_len: int) -> np.ndarray:
     """A controller's ``control`` array (:data:`~vllm_fafo.control.kernels.CONTROL_SIZE`
-    entries): no lanes, no question asked nor answered, ``max_draft`` chosen last by one request."""
+    entries): no lanes, no question asked, ``max_draft`` chosen last by one request."""
     control = np.zeros(CONTROL_SIZE, dtype=np.int64)
-    control[C_ANSWER_TOKENS] = -1
     control[C_DRAFT_LEN] = control[C_DRAFT_TOTAL] = control[C_MAX_DRAFT] = max_draft
     control[C_DRAFT_REQUESTS] = 1
     control[C_LANE_LEN] = lane_len
@@ -511,6 +504,8 @@ class FixedController:
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
+        self.kernel_answer: tuple[int, int, bool] | None = None
+        """The step kernel's answer to a lane question (none asked: the lanes are as the slots allow)."""
         self.control = control_array(max_draft, 0)
         self.last = Decision(self.control)
         table, index = np.zeros((1, 1)), np.zeros(1, dtype=np.int64)
@@ -589,12 +584,19 @@ class GoodputController:
                                      TAIL_WORTH, 1.0)
         """Share of its reach each draft position is worth, by matched key length (0: no match)."""
         self.control = control_array(max_draft, lane_len)
-        """The lanes and draft lengths chosen last, the last lane question, the probe's state
-        for the next and the step kernel's answer to it (:data:`~vllm_fafo.control.kernels.C_LANES`
-        ...): read and written by the step's kernel, so that no Python runs for the controller
-        around it (an answer of real tokens -1: none, or the controller learned anything since)."""
+        """The lanes and draft lengths chosen last, the last lane question and the probe's
+        state for the next (:data:`~vllm_fafo.control.kernels.C_LANES` ...): read and written
+        by the step's kernel, so that no Python runs for the controller around it."""
         self.last = Decision(self.control)
-        self.control[C_PROBE_DUE:C_PROBE_ANYWAY + 1] = self._lane_probe.flags()
+        self._lane_numbers = (0, 0, 0, 0, *self._lane_probe.flags())
+        """The control array's entries :data:`~vllm_fafo.control.kernels.C_LANES` ..
+        ``C_PROBE_ANYWAY`` (the lanes, the last question, the probe's state), as
+        :meth:`choose_lanes` wrote them last."""
+        self.control[C_LANES:C_PROBE_ANYWAY + 1] = self._lane_numbers
+        self.kernel_answer: tuple[int, int, bool] | None = None
+        """The step kernel's answer to the next lane question (its real tokens, -1 where it asked
+        none; lanes; probe), set by the proposer; None once taken, or once the controller
+        learned anything after it."""
         self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
         """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
         self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control)
@@ -627,27 +629,30 @@ class GoodputController:
         steps; where the cost curve says lanes could not pay even at the yield they
         showed (a CPU, where every lane token costs), probing again only spends: such
         probes wait for the longest interval (or for the curve or the yield to change)."""
-        control = self.control
         if max_lanes <= 0 or lane_requests <= 0:
-            control[C_LANES], self.last.probe = 0, False
+            self._note_lanes((0, *self._lane_numbers[1:]))
+            self.last.probe = False
             return 0
-        numbers = control.tolist()
-        question = (real_tokens, lane_requests, decoding_requests, max_lanes)
-        if (numbers[C_ANSWER_TOKENS], *numbers[C_ASK_REQUESTS:C_ASK_MAX_LANES + 1]) == question:
-            best, probed = numbers[C_ANSWER_LANES], numbers[C_ANSWER_PROBED] != 0  # the step kernel's, of this state
+        answer, self.kernel_answer = self.kernel_answer, None
+        asked = (lane_requests, decoding_requests, max_lanes)
+        if answer is not None and answer[0] == real_tokens and self._lane_numbers[1:4] == asked:
+            best, probed = answer[1], answer[2]  # asked by the step's kernel, of the same state
         else:
             plain, probe = self._plain_cost(), self._lane_probe
             best, probed = kernels.choose_lanes(
                 self.yields.totals, self.lane_len, lane_requests, real_tokens, decoding_requests, max_lanes,
                 plain.fitted, plain.num_points, self.lane_cost.fitted, self.lane_cost.num_points, probe.due(),
                 probe.in_burst() or probe.overdue())
-        # the lanes, the question, the probe's state for the next and the answer taken, in one
-        # write (the entries C_LANES .. C_ANSWER_TOKENS), where any changed: a cold step's cost
-        chosen = [best, *question[1:], *self._lane_probe.step(chosen=best > 0, probe=probed), -1]
-        if chosen != numbers[: C_ANSWER_TOKENS + 1]:
-            control[: C_ANSWER_TOKENS + 1] = chosen
+        self._note_lanes((best, *asked, *self._lane_probe.step(chosen=best > 0, probe=probed)))
         self.last.probe = probed
         return best
+
+    def _note_lanes(self, numbers: tuple[int, ...]) -> None:
+        """The lanes chosen, the question asked and the probe's state for the next into the
+        control array, where they changed (a cold step pays for each write)."""
+        if numbers != self._lane_numbers:
+            self._lane_numbers = numbers
+            self.control[C_LANES:C_PROBE_ANYWAY + 1] = numbers
 
     def _plain_cost(self) -> StepCostModel:
         """The curve steps without lanes or branches are priced by: their own, or, where
@@ -788,7 +793,7 @@ class GoodputController:
         could not tell from the price of the tokens. (On the 2-core CPU a step with a
         lane probe took 15-26 % more than a plain step of as many tokens; in the plain
         curve such steps made the drafts after a probe look dearer than they were.)"""
-        self.control[C_ANSWER_TOKENS] = -1
+        self.kernel_answer = None
         self._curve_of(outcome.lane_tokens, outcome.tree_tokens).observe(outcome.tokens, outcome.seconds)
         self.observe_tiers(outcome.uniform_draft_len, outcome.decoding_requests, outcome.seconds)
         self.yields.observe(outcome)

@@ -325,7 +325,7 @@ def main() -> None:
                 ngram_cells = (f" {ngram['us_per_step']:.1f} | {ngram['tau']:.2f} "
                                f"| {result['us_per_step'] / ngram['us_per_step']:.2f} |")
             print(f"| {batch} | {length} | {result['us_per_step']:.1f} | {result['us_per_request_step']:.1f} "
-                  f"| {result['tau']:.2f} | {result['slowest_step_ms']:.1f} |{gc_cells}{ngram_cells}")
+                  f"| {result['tau']:.2f} | {result['slowest_step_ms']:.3f} |{gc_cells}{ngram_cells}")
 
 
 if __name__ == "__main__":

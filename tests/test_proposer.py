@@ -279,3 +279,38 @@ def test_branch_hidden_states_come_from_the_planned_forward_only():
     proposer.take_branch_logits(logits, lambda req_id: SimpleNamespace(sampling_type=0))
     assert proposer.step.branch_argmax.tolist() == [8, 2]
     assert proposer.branch_hidden_states(hidden) is None  # taken
+
+
+def test_the_batch_numbers_kept_from_the_last_step_are_the_ones_looked_up():
+    """Requests joining, swapping rows, leaving and coming back under the same id, prefilling
+    (sampling nothing): every step the kernel is handed the request table's slots of the
+    batch's decoding requests and their rows, and it was handed last step's numbers, not
+    looked up, exactly in the steps where the same requests decoded in the same order."""
+    proposer = make_proposer(max_model_len=256)
+    history = np.random.default_rng(2).integers(0, 20, size=(4, 256)).astype(np.int32)
+    row_of, length = {"a": 0, "b": 1, "c": 2}, {}
+    steps = [["a", "b"], ["a", "b"], ["a", "b"], ["b", "a"], ["b", "a"], ["b", "a"], ["b", "a"],
+             ["b", "a", "c"], ["b", "a", "c"], ["b", "a", "c"]]
+    kept, held = [], None
+    for step, req_ids in enumerate(steps):
+        finished = ["a"] if step == 5 else []
+        if finished:
+            row_of["a"], length["a"] = 3, 0  # a new request under a used id
+        new = {req_id: None for req_id in req_ids if req_id not in length or not length[req_id]}
+        sampled = []
+        for req_id in req_ids:
+            prefill = req_id == "c" and step == 7
+            length[req_id] = length.get(req_id) or 30
+            sampled.append([] if prefill else [int(history[row_of[req_id], length[req_id]])])
+            length[req_id] += len(sampled[-1])
+        proposer.begin_step(finished, len(req_ids), {}, new)
+        proposer.finish_forward(req_ids, None)
+        rows = [row_of[req_id] for req_id in req_ids]
+        proposer.propose(sampled, np.array([length[r] for r in req_ids], dtype=np.int32), history[rows])
+        decoding = [i for i, tokens in enumerate(sampled) if tokens]
+        numbers = proposer._batch
+        assert numbers[0].tolist() == [proposer._table.slot_of[req_ids[i]] for i in decoding], f"step {step}"
+        assert numbers[1].tolist() == decoding, f"step {step}"
+        kept.append(numbers is held)
+        held = numbers
+    assert kept == [False, True, True, False, True, False, True, False, False, True]

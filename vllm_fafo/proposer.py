@@ -129,7 +129,7 @@ def pad_drafts(drafts: BatchDrafts, rooms: np.ndarray, last_tokens: np.ndarray) 
     np.maximum(lengths, rooms, out=lengths)
 
 
-@dataclass
+@dataclass(slots=True)
 class FafoStep:
     """Everything about one engine step, from ``begin_step`` to ``propose``.
 
@@ -258,6 +258,11 @@ class FafoProposer:
         them, or the goodput controller's tiers cut them after it: ``pad_drafts``)."""
         self._numbers = np.zeros(6 * 64, dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
+        self._batch_ids: list[str] | None = None
+        self._batch: np.ndarray = self._numbers[:0].reshape(6, 0)
+        """The last step's decoding requests (where every row decoded) and its batch's numbers,
+        whose slots and rows stand while the same requests decode in the same order and none
+        was removed (None: look them up)."""
         self._load_step_kernel()
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
@@ -445,6 +450,7 @@ class FafoProposer:
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Free the state of finished or aborted requests."""
         req_ids = list(req_ids)
+        self._batch_ids = None  # a request id may come back in a new request
         freed = []
         for req_id in req_ids:
             self._tenants.pop(req_id, None)
@@ -528,23 +534,27 @@ class FafoProposer:
             decoding_ids = [req_ids[row] for row in rows]
             taken = [taken[row] for row in rows]
         count = len(taken)
-        slot_of = table.slot_of
-        slots = [slot_of.get(req_id, -1) for req_id in decoding_ids]
-        if -1 in slots:  # requests decoding for the first time
-            slots = [slot if slot >= 0 else self._start_request(req_id, i if whole else rows[i], num_tokens_no_spec,
-                                                                sampled_token_ids, token_ids_cpu).slot
-                     for i, (slot, req_id) in enumerate(zip(slots, decoding_ids))]
+        if whole and decoding_ids == self._batch_ids:  # last step's requests, in its order: slots and rows kept
+            numbers = self._batch
+        else:
+            slot_of = table.slot_of
+            slots = [slot_of.get(req_id, -1) for req_id in decoding_ids]
+            if -1 in slots:  # requests decoding for the first time
+                slots = [slot if slot >= 0 else self._start_request(req_id, i if whole else rows[i], num_tokens_no_spec,
+                                                                    sampled_token_ids, token_ids_cpu).slot
+                         for i, (slot, req_id) in enumerate(zip(slots, decoding_ids))]
+            numbers = self._batch = self._batch_numbers(count)
+            numbers[0] = slots
+            numbers[1] = self._row_numbers[:count] if whole else rows
+            self._batch_ids = decoding_ids if whole else None
         # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
         # accepted, or a branch's win (RequestTable.settle); the kernel writes the last two rows.
-        numbers = self._batch_numbers(count)
-        numbers[0], numbers[2] = slots, taken
-        numbers[1] = self._row_numbers[:count] if whole else rows
+        numbers[2] = taken
         numbers[3] = [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids]
         if wins:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:
                     numbers[2, i], numbers[3, i] = 0, wins[req_id][0]
-        slots, decoding, num_tokens = numbers[0], numbers[1], numbers[4]
         # the step's tokens in the forward (lanes and branches in its tail) and the next step's
         # before its drafts; its seconds, to now (the rank-zero worker's under tensor parallelism)
         plan, branches = step.plan, step.branches
@@ -565,6 +575,7 @@ class FafoProposer:
             self._publish_and_log(now)
         lengths = found.lengths
         if mode == LENGTHS_LATER:  # every request the same tokens, one tier for the batch: a uniform decode batch
+            slots, decoding, num_tokens = numbers[0], numbers[1], numbers[4]
             tier = self.controller.choose_tier(step_tokens, found.key_lens, found.lengths, self.draft_tiers)
             rooms = np.minimum(tier, self.max_model_len - num_tokens)
             np.minimum(found.lengths, rooms, out=found.lengths)
@@ -585,6 +596,7 @@ class FafoProposer:
             for row, draft in zip(rows, found_drafts):
                 drafts[row] = draft
         if self.tree_enabled:
+            decoding, num_tokens = numbers[1], numbers[4]
             states = [self._requests[req_id] for req_id in decoding_ids]
             for i, (row, state) in enumerate(zip(decoding.tolist(), states)):
                 if req_ids[row] in step.tree_eligible:

@@ -53,11 +53,12 @@ class SeparateKernels(FafoProposer):
             pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
                        token_ids[rows, num_tokens - 1])
             self._table.keep(slots, found.origins, found.lengths, self.metrics)
-            return LENGTHS_PADDED
+            return LENGTHS_PADDED, int(found.lengths.max(initial=0)), int(found.lengths.min(initial=0))
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
-        return LENGTHS_FOUND  # choose_draft_lens noted its choice
+        # choose_draft_lens noted its choice
+        return LENGTHS_FOUND, int(found.lengths.max(initial=0)), int(found.lengths.min(initial=0))
 
 
 def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:

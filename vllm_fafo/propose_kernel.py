@@ -105,8 +105,9 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
        tokens the requests and their drafts, as many requests with lanes and most lanes as
        last asked. Asked between two forwards anyway, it saves the lanes' planning a cold call.
 
-    Returns (room status, keys filed, the judge's new count, the mode, the lane question's
-    answer: its real tokens, -1 where none was asked; lanes; probe). A status other
+    Returns (room status, keys filed, the judge's new count, the mode, the longest and the
+    shortest draft's length, the lane question's answer: its real tokens, -1 where none was
+    asked; lanes; probe). A status other
     than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what lacks
     room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
@@ -123,16 +124,16 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
 
     count = len(slots)
     if judge_count + count > judge_table.shape[0]:
-        return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, (-1, 0, False)
+        return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
     for i in range(count):
         if slots[i] >= len(index_of_slot):
-            return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, (-1, 0, False)
+            return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
         num_tokens[i] = num_tokens_no_spec[rows[i]]
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
                                       seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
     if status != ROOM_OK:
-        return status, num_keys, judge_count, LENGTHS_FOUND, (-1, 0, False)
+        return status, num_keys, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
     if learn and tokens >= 1:  # a step of no tokens prices nothing
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
@@ -183,4 +184,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
         lanes_chosen, probed = choose_lanes(totals, control[C_LANE_LEN], ask_requests, asked_tokens,
                                             control[C_ASK_DECODING], ask_max_lanes, plain, plain_count, lanes,
                                             lane_points, control[C_PROBE_DUE] != 0, control[C_PROBE_ANYWAY] != 0)
-    return ROOM_OK, num_keys, judge_count, mode, (asked_tokens, lanes_chosen, probed)
+    longest, shortest = 0, max_draft
+    for i in range(count):
+        longest, shortest = max(longest, found_lens[i]), min(shortest, found_lens[i])
+    return ROOM_OK, num_keys, judge_count, mode, longest, shortest, (asked_tokens, lanes_chosen, probed)

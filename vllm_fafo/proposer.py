@@ -567,8 +567,8 @@ class FafoProposer:
             seconds = self._step_time.share(seconds)
         if self.config.pad_drafts:
             self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
-        mode = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu, step.branch_trials, tokens, seconds,
-                                     lane_tokens, tree_tokens, step_tokens)
+        mode, longest, shortest = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu, step.branch_trials,
+                                                        tokens, seconds, lane_tokens, tree_tokens, step_tokens)
         found = self.index.drafts(count)
         now = time.monotonic()
         if now >= self._next_report:
@@ -582,14 +582,13 @@ class FafoProposer:
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
             self.metrics.record_padded_step(tier, count)
             table.keep(slots, found.origins, found.lengths, self.metrics)
+            longest, shortest = int(lengths.max(initial=0)), int(lengths.min(initial=0))
         elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole in the kernel
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
         # cut, or padded (pad_drafts); the buffer's columns past the longest are never read
-        draft_lens = lengths.tolist()
-        longest = max(draft_lens, default=0)
         found_drafts = found.tokens[:, :longest].tolist()
-        if min(draft_lens, default=0) < longest:  # not all as long (padded drafts are)
-            found_drafts = [tokens[:length] for tokens, length in zip(found_drafts, draft_lens)]
+        if shortest < longest:  # not all as long (padded drafts are)
+            found_drafts = [tokens[:length] for tokens, length in zip(found_drafts, lengths.tolist())]
         drafts: list[list[int]] = found_drafts
         if not whole:
             drafts = [[] for _ in sampled_token_ids]
@@ -611,18 +610,19 @@ class FafoProposer:
 
     def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
                          branch_trials: list[tuple[int, int, int]], tokens: int, seconds: float, lane_tokens: int,
-                         tree_tokens: int, step_tokens: int) -> int:
+                         tree_tokens: int, step_tokens: int) -> tuple[int, int, int]:
         """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
         index, the judge and the controller (which learns the step's ``branch_trials``, and
         that its ``tokens``, ``lane_tokens`` and ``tree_tokens`` of them in its tail, took
         ``seconds``; the next step has ``step_tokens`` before its drafts), growing what it
-        finds short; returns what it did with the drafts' lengths (the mode)."""
+        finds short; returns what it did with the drafts' lengths (the mode), and the longest
+        and the shortest draft's length."""
         slots, count = numbers[0], numbers.shape[1]
         trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once
             held = self._held if self._held is not None else self._hold_step_arrays()
-            status, num_keys, queued, mode, lane_answer = propose_kernel.propose_step(
+            status, num_keys, queued, mode, longest, shortest, lane_answer = propose_kernel.propose_step(
                 numbers, num_tokens_no_spec, token_ids, held, len(self.judge), trials, self._choose_lengths,
                 float(tokens), seconds, lane_tokens, tree_tokens, step_tokens)
             if status == propose_kernel.ROOM_OK:
@@ -637,7 +637,7 @@ class FafoProposer:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")
         self.judge.finish_step(queued)
         self.controller.kernel_answer = lane_answer
-        return mode
+        return mode, longest, shortest
 
     def step_parts(self) -> tuple:
         """The owners' arrays for the step's kernel (:mod:`vllm_fafo.step_arrays`): gathered anew from each owner."""

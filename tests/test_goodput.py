@@ -874,3 +874,44 @@ def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
         count_chains(trials, hits, rows, lengths, accepted)
         np.testing.assert_array_equal(trials, expected_trials)
         np.testing.assert_array_equal(hits, expected_hits)
+
+
+def cost_curve_reference(observations, weight, stale_after, forget_after):
+    """The cost curve after ``observations`` ((tokens, seconds), one per step), by the rule
+    in numpy over every grid point: each step the nearest point in log tokens takes the
+    sample (its decayed mean, or the sample alone where it is new or stale); the curve is
+    the points observed in the last ``forget_after`` steps, seconds made non-decreasing."""
+    grid = np.log(np.unique(np.round(np.geomspace(1, 1 << 17, 69)).astype(np.int64)))
+    means, samples, updated = np.zeros((2, len(grid))), np.zeros(len(grid)), np.zeros(len(grid), dtype=np.int64)
+    for step, (tokens, seconds) in enumerate(observations, start=1):
+        point = int(np.argmin(np.abs(grid - np.log(tokens))))
+        if samples[point] == 0 or step - updated[point] > stale_after:
+            means[:, point], samples[point] = (tokens, seconds), 1.0
+        else:
+            means[:, point] += weight * (np.array([tokens, seconds]) - means[:, point])
+            samples[point] = min(samples[point] + 1, 1 / weight)
+        updated[point] = step
+    on = (samples > 0) & (len(observations) - updated <= forget_after)
+    return means[0, on], isotonic_reference(means[1, on], samples[on])
+
+
+def test_the_cost_curve_is_the_rules_over_every_grid_point():
+    """Random step sizes and costs, with sizes left unobserved long enough to go stale and to
+    be forgotten, then observed again: the model's curve, kept from its live points only, is
+    the rule's over every grid point at each of many checkpoints."""
+    rng = np.random.default_rng(8)
+    model, observations = StepCostModel(), []
+    model.stale_after, model.forget_after = 5, 12
+    for step in range(400):
+        sizes = (3, 40) if (step // 50) % 2 else (1, 7, 300, 5000)
+        tokens = int(rng.choice(sizes)) + int(rng.integers(0, 3))
+        seconds = float(rng.uniform(0.01, 0.05) + 1e-5 * tokens)
+        model.observe(tokens, seconds)
+        observations.append((tokens, seconds))
+        if step % 7 == 0 or step == 399:
+            tokens_want, seconds_want = cost_curve_reference(observations, model.weight, model.stale_after,
+                                                             model.forget_after)
+            got_tokens, got_seconds = model.curve()
+            np.testing.assert_allclose(got_tokens, tokens_want, rtol=1e-12, err_msg=f"step {step}")
+            np.testing.assert_allclose(got_seconds, seconds_want, rtol=1e-12, atol=1e-15, err_msg=f"step {step}")
+    assert 2 <= model.num_points < 6

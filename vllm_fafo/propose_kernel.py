@@ -135,9 +135,9 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     if status != ROOM_OK:
         return status, num_keys, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
     if learn and tokens >= 1:  # a step of no tokens prices nothing
-        log_grid, points, live, steps, weight, stale_after, forget_after, curve = \
+        log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
-        observe_cost(log_grid, points, live, steps, tokens, seconds, weight, stale_after, forget_after, curve)
+        observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after, forget_after, curve)
     plain_curve = 0 if curves[0][3][1] > 0 or curves[1][3][1] == 0 else 1  # GoodputController._plain_cost
     plain, plain_count = curves[plain_curve][7], curves[plain_curve][3][1]
     lanes, lane_points = curves[1][7], curves[1][3][1]

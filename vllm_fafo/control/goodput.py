@@ -150,7 +150,7 @@ def isotonic_fit(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     this plugin."""
     out = np.empty(len(values))
     kernels.fit_isotonic(np.ascontiguousarray(values, dtype=np.float64),
-                         np.ascontiguousarray(weights, dtype=np.float64), out, np.empty((3, len(values))))
+                         np.ascontiguousarray(weights, dtype=np.float64), out)
     return out
 
 
@@ -171,25 +171,23 @@ class StepCostModel:
     what the machine did lately, and an old expensive size gets tried again."""
 
     def __init__(self) -> None:
-        assert self.forget_after >= self.stale_after  # observe_cost replaces a forgotten point's mean
-        self._steps = np.zeros(3, dtype=np.int64)
-        """The steps observed, the points on the curve, the live points (written by the kernels)."""
-        self._points = np.zeros((len(_GRID), 4))
-        """Each grid point's decayed mean tokens and seconds, the samples behind them (up to
-        the ``1 / weight`` its decay keeps; 0: not on the curve) and the step it was last
-        observed at, a row each (:data:`~vllm_fafo.control.kernels.POINT_TOKENS` ...)."""
-        self._live = np.zeros(len(_GRID), dtype=np.int64)
-        """The grid points on the curve, ascending (the first ``_steps[2]``)."""
-        self.fitted = np.zeros((7, len(_GRID)))
+        self._steps = np.zeros(2, dtype=np.int64)
+        """The steps observed, then the points on the curve (written by the kernels)."""
+        self._updated_at = np.zeros(len(_GRID), dtype=np.int64)
+        self._points = np.zeros((3, len(_GRID)))
+        """Each grid point's decayed mean tokens and seconds, and the samples behind it (up to
+        the ``1 / weight`` its decay keeps; 0: never seen)."""
+        self.fitted = np.zeros((4, len(_GRID)))
         """The curve: recent points' tokens, fitted seconds (then the kernel's scratch)."""
-        self._arrays = (_LOG_GRID, self._points, self._live, self._steps, self.weight, self.stale_after,
+        self._arrays = (_LOG_GRID, self._points, self._updated_at, self._steps, self.weight, self.stale_after,
                         self.forget_after, self.fitted)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
             return  # a step without tokens prices nothing
-        kernels.observe_cost(_LOG_GRID, self._points, self._live, self._steps, float(tokens), float(seconds),
-                             self.weight, self.stale_after, self.forget_after, self.fitted)
+        kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
+                                               float(seconds), self.weight, self.stale_after, self.forget_after,
+                                               self.fitted)
 
     def kernel_arrays(self) -> tuple:
         """:meth:`observe`'s arrays and settings as :func:`~vllm_fafo.propose_kernel.propose_step`

@@ -107,15 +107,16 @@ def choose_lengths(reach_by_row: np.ndarray, rows: np.ndarray, worth_share: np.n
 
 
 @njit(cache=True)
-def fit_isotonic(values: np.ndarray, weights: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+def fit_isotonic(values: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
     """Into ``out``, the non-decreasing sequence nearest ``values`` in weighted least
-    squares (pool adjacent violators: a run that decreases becomes its weighted mean);
-    ``scratch``: (3, at least len(values)) floats."""
+    squares (pool adjacent violators: a run that decreases becomes its weighted mean)."""
     n = len(values)
-    means, masses, runs = scratch[0], scratch[1], scratch[2]
+    means = np.empty(n)
+    masses = np.empty(n)
+    runs = np.empty(n, dtype=np.int64)
     top = 0
     for i in range(n):
-        means[top], masses[top], runs[top] = values[i], weights[i], 1.0
+        means[top], masses[top], runs[top] = values[i], weights[i], 1
         top += 1
         while top > 1 and means[top - 2] > means[top - 1]:
             mass = masses[top - 2] + masses[top - 1]
@@ -125,68 +126,44 @@ def fit_isotonic(values: np.ndarray, weights: np.ndarray, out: np.ndarray, scrat
             top -= 1
     i = 0
     for run in range(top):
-        for _ in range(int(runs[run])):
+        for _ in range(runs[run]):
             out[i] = means[run]
             i += 1
 
 
-POINT_TOKENS, POINT_SECONDS, POINT_SAMPLES, POINT_UPDATED = range(4)
-"""A cost model's point, one row of its ``points`` (:func:`observe_cost`): the decayed mean
-tokens and seconds, the samples behind them (0: not on the curve), the step it was last
-observed at."""
-
-
 @njit(cache=True)
-def observe_cost(log_grid: np.ndarray, points: np.ndarray, live: np.ndarray, steps: np.ndarray,
+def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarray, steps: np.ndarray,
                  tokens: float, seconds: float, weight: float, stale_after: int, forget_after: int,
                  curve: np.ndarray) -> int:
     """A step cost model's update (:class:`~vllm_fafo.control.goodput.StepCostModel`):
-    the nearest grid point's decayed mean (a row of ``points``: :data:`POINT_TOKENS` ...)
-    takes the step of ``tokens`` tokens and ``seconds``, its mean replaced where it was
-    last observed over ``stale_after`` steps ago; the points observed in the last
-    ``forget_after`` steps (``forget_after`` >= ``stale_after``), the first ``steps[2]``
-    of ``live`` in grid order, are fitted into ``curve`` (tokens row, seconds row, then
-    scratch), and those older dropped from ``live``. ``steps``: the steps observed, the
-    points on the curve (returned), the live points. Only the live points' rows are read:
-    between two forwards each cache line costs (docs/results/host-time.md)."""
+    the nearest grid point's decayed mean (``points``: tokens, seconds and samples
+    rows) takes the step of ``tokens`` tokens and ``seconds``; the recent points are
+    fitted into ``curve`` (tokens row, seconds row); how many there are is written into
+    ``steps[1]`` (``steps[0]`` counts the steps) and returned."""
     steps[0] += 1
-    now = steps[0]
     target = np.log(tokens)
     point, nearest = 0, np.inf
     for i in range(len(log_grid)):
         distance = abs(log_grid[i] - target)
         if distance < nearest:
             point, nearest = i, distance
-    row = points[point]
-    num_live = steps[2]
-    if row[POINT_SAMPLES] == 0.0:  # a new point: into the live list, in grid order
-        k = num_live
-        while k > 0 and live[k - 1] > point:
-            live[k] = live[k - 1]
-            k -= 1
-        live[k] = point
-        num_live += 1
-        row[POINT_TOKENS], row[POINT_SECONDS], row[POINT_SAMPLES] = tokens, seconds, 1.0
-    elif now - row[POINT_UPDATED] > stale_after:
-        row[POINT_TOKENS], row[POINT_SECONDS], row[POINT_SAMPLES] = tokens, seconds, 1.0
+    stale = steps[0] - updated_at[point] > stale_after
+    updated_at[point] = steps[0]
+    if stale or points[2, point] == 0.0:
+        points[0, point], points[1, point], points[2, point] = tokens, seconds, 1.0
     else:
-        row[POINT_TOKENS] += weight * (tokens - row[POINT_TOKENS])
-        row[POINT_SECONDS] += weight * (seconds - row[POINT_SECONDS])
-        row[POINT_SAMPLES] = min(row[POINT_SAMPLES] + 1.0, 1.0 / weight)
-    row[POINT_UPDATED] = now
+        points[0, point] += weight * (tokens - points[0, point])
+        points[1, point] += weight * (seconds - points[1, point])
+        points[2, point] = min(points[2, point] + 1.0, 1.0 / weight)
     count = 0
-    for k in range(num_live):
-        i = live[k]
-        if now - points[i, POINT_UPDATED] <= forget_after:
-            live[count] = i
-            curve[0, count] = points[i, POINT_TOKENS]
-            curve[2, count] = points[i, POINT_SECONDS]
-            curve[3, count] = points[i, POINT_SAMPLES]
+    for i in range(len(log_grid)):
+        if points[2, i] > 0.0 and steps[0] - updated_at[i] <= forget_after:
+            curve[0, count] = points[0, i]
+            curve[2, count] = points[1, i]
+            curve[3, count] = points[2, i]
             count += 1
-        else:  # forgotten: a later sample replaces it, as it would a stale one
-            points[i, POINT_SAMPLES] = 0.0
-    fit_isotonic(curve[2, :count], curve[3, :count], curve[1, :count], curve[4:7])
-    steps[1] = steps[2] = count
+    fit_isotonic(curve[2, :count], curve[3, :count], curve[1, :count])
+    steps[1] = count
     return count
 
 
@@ -438,8 +415,8 @@ def load_kernels() -> None:
     reach_table.flags.writeable = False  # the controller hands its reach table out read-only
     choose_lengths(reach_table, index, np.ones((2, 3)), index, np.ones(1, dtype=np.int64), 1.0, np.ones(2),
                    np.zeros(1, dtype=np.int64))
-    grid, curve = np.zeros(3), np.zeros((7, 3))
-    count = observe_cost(grid, np.zeros((3, 4)), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64), 1.0, 1.0,
+    grid, curve = np.zeros(3), np.zeros((4, 3))
+    count = observe_cost(grid, np.zeros((3, 3)), np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64), 1.0, 1.0,
                          0.5, 1, 1, curve)
     step_seconds(curve, count, curve, count, 1, np.zeros(2))
     choose_lane_count(np.arange(2), 1, 1, 1, 1, 1.0, 0.1, 0.1, curve, count, curve, count, True, False, np.zeros(4))

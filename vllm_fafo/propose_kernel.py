@@ -107,9 +107,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
 
     Returns (room status, keys filed, the judge's new count, the mode, the longest and the
     shortest draft's length, the lane question's answer: its real tokens, -1 where none was
-    asked; lanes; probe). A status other
-    than ``ROOM_OK`` changed nothing but the text lengths: the caller grows what lacks
-    room and calls again."""
+    asked; lanes; probe). A status other than ``ROOM_OK`` changed nothing but the text
+    lengths: the caller grows what lacks room and calls again."""
     slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = held.table
     accepted_counts, proposed_counts, draft_counts, pad, lane = held.counts

@@ -185,9 +185,8 @@ class StepCostModel:
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1:
             return  # a step without tokens prices nothing
-        kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens),
-                                               float(seconds), self.weight, self.stale_after, self.forget_after,
-                                               self.fitted)
+        kernels.observe_cost(_LOG_GRID, self._points, self._updated_at, self._steps, float(tokens), float(seconds),
+                             self.weight, self.stale_after, self.forget_after, self.fitted)
 
     def kernel_arrays(self) -> tuple:
         """:meth:`observe`'s arrays and settings as :func:`~vllm_fafo.propose_kernel.propose_step`
@@ -201,7 +200,7 @@ class StepCostModel:
 
     @property
     def has_data(self) -> bool:
-        return self._steps[1] > 0
+        return int(self._steps[1]) > 0
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
         """The recent (tokens, seconds) points, seconds made non-decreasing by a least-squares
@@ -477,11 +476,8 @@ class Decision:
 
     @property
     def lanes(self) -> int:
+        """Lanes per request this step."""
         return int(self.control[C_LANES])
-
-    @lanes.setter
-    def lanes(self, value: int) -> None:
-        self.control[C_LANES] = value
 
     @property
     def draft_len(self) -> int:
@@ -490,6 +486,7 @@ class Decision:
 
     @property
     def mean_draft_len(self) -> float:
+        """The draft lengths chosen last, on average per request."""
         return int(self.control[C_DRAFT_TOTAL]) / int(self.control[C_DRAFT_REQUESTS])
 
     def chose(self, longest: int, total: int, requests: int) -> None:
@@ -520,7 +517,7 @@ class FixedController:
         return self.max_draft
 
     def choose_lanes(self, real_tokens: int, lane_requests: int, decoding_requests: int, max_lanes: int) -> int:
-        self.last.lanes = max_lanes
+        self.control[C_LANES] = max_lanes
         return max_lanes
 
     def choose_draft_lens(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> np.ndarray:

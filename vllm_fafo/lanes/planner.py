@@ -133,7 +133,7 @@ class FumbleLanes:
 
         ``lanes_for`` (the goodput controller) picks the lanes per request, at
         most what the free token slots allow; None: that maximum."""
-        parked, self._parked = self._parked, None
+        parked, self._parked, active = self._parked, None, -1
         if parked is not None and parked[0] == batch.req_ids and \
                 batch.num_tokens == len(batch.req_ids) + sum(batch.num_drafts):
             # the requests of the last step, parked, decode again (a request that decoded
@@ -142,11 +142,9 @@ class FumbleLanes:
             if active == 0:  # still parked: their staging was reset when they parked
                 self._parked = parked
                 return None
-            rows, new_rows, num_decoding = self._rows_with_region(batch)
-            decode_rows = [r for r in rows if r.is_decode]
-        else:
-            rows, new_rows, num_decoding = self._rows_with_region(batch)
-            decode_rows = [r for r in rows if r.is_decode]
+        rows, new_rows, num_decoding = self._rows_with_region(batch)
+        decode_rows = [r for r in rows if r.is_decode]
+        if active < 0:
             active = self._active_lanes(batch, len(decode_rows), num_decoding, lanes_for)
         park = self.park_when_off and active == 0
         if park and not new_rows and len(decode_rows) == len(rows):  # no region work, no lanes: no plan

@@ -19,6 +19,10 @@ from .test_proposer import make_proposer
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
 
 
+def _longest_and_shortest(lengths: np.ndarray) -> tuple[int, int]:
+    return (int(lengths.max()), int(lengths.min())) if len(lengths) else (0, 0)
+
+
 class SeparateKernels(FafoProposer):
     """The step as the proposer ran it before :func:`propose_step`: each owner's public
     call in turn (the request table's settle and keep, the index's draft_batch, the
@@ -53,12 +57,12 @@ class SeparateKernels(FafoProposer):
             pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
                        token_ids[rows, num_tokens - 1])
             self._table.keep(slots, found.origins, found.lengths, self.metrics)
-            return LENGTHS_PADDED, int(found.lengths.max(initial=0)), int(found.lengths.min(initial=0))
+            return LENGTHS_PADDED, *_longest_and_shortest(found.lengths)
         chosen = controller.choose_draft_lens(step_tokens, found.key_lens, found.lengths)
         np.minimum(found.lengths, chosen, out=found.lengths)
         self._table.keep(slots, found.origins, found.lengths, self.metrics)
         # choose_draft_lens noted its choice
-        return LENGTHS_FOUND, int(found.lengths.max(initial=0)), int(found.lengths.min(initial=0))
+        return LENGTHS_FOUND, *_longest_and_shortest(found.lengths)
 
 
 def repetitive_text(length: int, rng: np.random.Generator) -> np.ndarray:

@@ -171,9 +171,13 @@ class FafoStep:
         return self.plan.num_tail_tokens if self.plan is not None else 0
 
     @property
+    def tree_tokens(self) -> int:
+        return self.branches.num_tokens if self.branches is not None else 0
+
+    @property
     def tail_tokens(self) -> int:
         """Tokens behind the real ones: lanes and branches."""
-        return self.lane_tokens + (self.branches.num_tokens if self.branches is not None else 0)
+        return self.lane_tokens + self.tree_tokens
 
 
 def _uniform_draft_len(step: FafoStep, decoding_requests: int) -> int:
@@ -557,9 +561,7 @@ class FafoProposer:
                     numbers[2, i], numbers[3, i] = 0, wins[req_id][0]
         # the step's tokens in the forward (lanes and branches in its tail) and the next step's
         # before its drafts; its seconds, to now (the rank-zero worker's under tensor parallelism)
-        plan, branches = step.plan, step.branches
-        lane_tokens = 0 if plan is None else plan.num_tail_tokens
-        tree_tokens = 0 if branches is None else branches.num_tokens
+        lane_tokens, tree_tokens = step.lane_tokens, step.tree_tokens
         tokens = step.num_scheduled_tokens + lane_tokens + tree_tokens
         step_tokens = tokens - sum(map(len, spec_tokens.values()))
         seconds = self.clock() - step.started
@@ -582,7 +584,7 @@ class FafoProposer:
             pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
             self.metrics.record_padded_step(tier, count)
             table.keep(slots, found.origins, found.lengths, self.metrics)
-            longest, shortest = int(lengths.max(initial=0)), int(lengths.min(initial=0))
+            longest, shortest = (int(lengths.max()), int(lengths.min())) if count else (0, 0)
         elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole in the kernel
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
         # cut, or padded (pad_drafts); the buffer's columns past the longest are never read

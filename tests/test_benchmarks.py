@@ -525,11 +525,15 @@ def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
     ]
     for module, cls_name, name in (*host_time.PARTS, *host_time.PLANNING_PARTS):  # a renamed method fails here
         assert callable(getattr(getattr(importlib.import_module(module), cls_name), name)), (cls_name, name)
+    proposer, runner_patch = (importlib.import_module(m) for m in ("vllm_fafo.proposer", "vllm_fafo.patches.gpu_model_runner"))
+    assert all(callable(getattr(proposer.FafoProposer, name)) for name in host_time.HOOKS)
+    assert all(callable(getattr(runner_patch, name)) for name in host_time.PATCH_WORK)
 
 
-def test_cold_calls_times_each_call_warm_and_cold():
+def test_cold_calls_times_each_call_warm_and_cold(monkeypatch):
     """``cold_calls.py``: a row per call, warm and cold times in us, the kernels' arguments
     as many as named (a kernel taking 8 arrays reads the first)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # cold_calls imports proposer_step_cost, as a script does
     cold_calls = benchmark_script("cold_calls")
     assert cold_calls.kernel_taking(8)(*(np.full(2, i) for i in range(8))) == 0
     rows = cold_calls.call_rows(evict_mib=1, calls=3)
@@ -538,3 +542,10 @@ def test_cold_calls_times_each_call_warm_and_cold():
         "| numba kernel taking 8 arrays", "| numba kernel taking 32 arrays", "| numba kernel taking 64 arrays",
         "| numba kernel taking a structref of 64 arrays"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip(" |").split(" | ")[1:])
+    # the step kernel beside a trivial kernel taking its arguments (as many as it takes: a
+    # changed signature fails here)
+    rows = cold_calls.step_kernel_rows(evict_mib=1, steps=4)
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| step kernel, batch 1", "| a trivial kernel taking its arguments, batch 1",
+        "| step kernel, batch 32", "| a trivial kernel taking its arguments, batch 32"]
+    assert all(float(row.strip(" |").split(" | ")[2]) > 0 for row in rows)

@@ -209,6 +209,13 @@ def test_state_is_freed_and_nothing_leaks_over_many_requests():
     assert proposer.metrics.requests_started == proposer.metrics.requests_freed == 500
 
 
+def test_a_pool_only_proposer_plans_no_forward():
+    """Without lanes or a draft tree the runner patch builds no batch view for ``plan_forward``."""
+    proposer = make_proposer()
+    assert proposer.lanes is None and not proposer.tree_enabled
+    assert not proposer.plans_forward
+
+
 def test_propose_without_batch_order_fails_loudly():
     proposer = make_proposer()
     with pytest.raises(RuntimeError, match="runner patches are not applied"):

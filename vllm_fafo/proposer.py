@@ -312,6 +312,12 @@ class FafoProposer:
             self._tenants.update(new_request_tenants)
         self.step = FafoStep(num_scheduled_tokens, scheduled_spec_tokens, self.clock())
 
+    @property
+    def plans_forward(self) -> bool:
+        """Whether :meth:`plan_forward` has anything to plan (lanes or a draft tree): else the
+        runner patch builds no :class:`BatchView` (a lookup per request, every step)."""
+        return self.lanes is not None or self.tree_enabled
+
     def plan_forward(self, batch: BatchView) -> int:
         """2. The batch is prepared: plan the lanes' region updates and tail, then the
         draft tree's branches behind them; returns the tokens they add.

@@ -149,7 +149,7 @@ def apply() -> None:
             result = original_determine(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
                                         *args, **kwargs)
         drafter = _fafo_drafter(self)
-        if drafter is None or drafter.step is None:
+        if drafter is None or drafter.step is None or not drafter.plans_forward:
             return result
         tail_tokens = drafter.plan_forward(_batch_view(self, num_tokens))
         if not tail_tokens:

@@ -30,7 +30,7 @@ class SeparateKernels(FafoProposer):
 
     def _run_step_kernel(self, numbers, num_tokens_no_spec, token_ids, branch_trials, tokens, seconds, lane_tokens,
                          tree_tokens, step_tokens):
-        slots, rows, taken, verified = numbers[:4]
+        slots, rows, taken, won = numbers[:4]
         numbers[4] = num_tokens_no_spec[rows]
         num_tokens, accepted = numbers[4], numbers[5]
         controller = self.controller
@@ -38,7 +38,7 @@ class SeparateKernels(FafoProposer):
         if learns:
             controller._curve_of(lane_tokens, tree_tokens).observe(tokens, seconds)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
-        self._table.settle(slots, taken, verified, self.metrics, accepted)
+        self._table.settle(slots, taken, won, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
         if learns:
             controller.yields.observe_counts(lane_tokens, lane_accepted, int(accepted.sum()) - lane_accepted,

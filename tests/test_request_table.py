@@ -9,11 +9,11 @@ from vllm_fafo.request_table import RequestTable
 from vllm_fafo.serving.metrics import FafoMetrics
 
 
-def settle_reference(draft_len: int, origins: list[int], taken: int, verified: int) -> tuple[int, list[int]]:
+def settle_reference(draft_len: int, origins: list[int], taken: int, won: int) -> tuple[int, list[int]]:
     """(accepted, the accepted tokens' origins) of one request: vLLM's accepted drafts
-    (taken - 1), at most those it verified, or the tokens a won branch gave (taken 0);
-    at most the draft's length."""
-    accepted = min(verified if taken == 0 else min(taken - 1, verified), draft_len)
+    (taken - 1), or the spine's tokens before a won branch (taken 0); at most the
+    draft's length."""
+    accepted = min(won if taken == 0 else taken - 1, draft_len)
     return accepted, origins[:accepted]
 
 
@@ -27,13 +27,13 @@ def test_settle_counts_what_vllm_accepted_of_each_last_draft_by_origin():
             table.draft_origins[slot] = rng.integers(0, 5, size=6)
         batch = rng.permutation(slots)[: rng.integers(1, len(slots) + 1)]
         taken = rng.integers(0, 9, size=len(batch))  # 0: a branch won
-        verified = rng.integers(0, 8, size=len(batch))
+        won = rng.integers(0, 8, size=len(batch))  # read where taken is 0 only
         metrics, accepted = FafoMetrics(), np.full(len(batch), -1, dtype=np.int64)
-        table.settle(batch.astype(np.int64), taken, verified, metrics, accepted)
+        table.settle(batch.astype(np.int64), taken, won, metrics, accepted)
         want_counts = np.zeros(len(metrics.accepted_counts), dtype=np.int64)
         for i, slot in enumerate(batch.tolist()):
             want, origins = settle_reference(int(table.draft_len[slot]), table.draft_origins[slot].tolist(),
-                                             int(taken[i]), int(verified[i]))
+                                             int(taken[i]), int(won[i]))
             assert accepted[i] == want
             np.add.at(want_counts, origins, 1)
         np.testing.assert_array_equal(metrics.accepted_counts, want_counts)
@@ -50,6 +50,6 @@ def test_kept_drafts_are_what_the_next_settle_counts_and_the_metrics_count_them_
     assert (metrics.lookups, metrics.pool_hits) == (3, 1)  # filler only and empty are misses
     assert metrics.proposed_counts[[prompt, lane, pad]].tolist() == [2, 1, 2]
     accepted = np.zeros(3, dtype=np.int64)
-    table.settle(slots, np.array([3, 1, 9]), np.array([4, 4, 4]), metrics, accepted)
+    table.settle(slots, np.array([3, 1, 9]), np.array([0, 0, 0]), metrics, accepted)
     assert accepted.tolist() == [2, 0, 3]  # at most each kept draft's length
     assert metrics.accepted_counts[[prompt, lane, pad]].tolist() == [2, 1, 2]

@@ -71,7 +71,8 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_trials, choose, tokens, seconds,
                  lane_tokens, tree_tokens, step_tokens):
     """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
-    vLLM took, drafts it verified, then written here: text lengths, drafts accepted),
+    vLLM took, where that is 0 the spine's tokens before a won branch (read nowhere else),
+    then written here: text lengths, drafts accepted),
     whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``.
     ``held``: the owners' arrays (:class:`~vllm_fafo.step_arrays.StepArrays`); ``judge_count``:
     the drafts queued; ``branch_trials``: the draft tree's branches verified (rows: ranks,
@@ -109,7 +110,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     shortest draft's length, the lane question's answer: its real tokens, -1 where none was
     asked; lanes; probe). A status other than ``ROOM_OK`` changed nothing but the text
     lengths: the caller grows what lacks room and calls again."""
-    slots, rows, taken, verified, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
+    slots, rows, taken, won, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = held.table
     accepted_counts, proposed_counts, draft_counts, pad, lane = held.counts
     st, frozen, frozen_owner, prior, prior_lens, texts, max_len, ngram_len, seed_from_output, scratch = held.index
@@ -148,7 +149,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     else:
         mode = LENGTHS_CHOSEN if count > 0 and (lanes_on or plain_count > 0) else LENGTHS_FOUND
     lane_before = accepted_counts[lane]
-    settle_drafts(slots, taken, verified, draft_len, draft_origins, accepted_counts, accepted)
+    settle_drafts(slots, taken, won, draft_len, draft_origins, accepted_counts, accepted)
     lane_accepted = accepted_counts[lane] - lane_before
     done = judge_drafts(judge_table, judge_count, slots, rows, index_of_slot, num_tokens, history, judged)
     judge_count -= done

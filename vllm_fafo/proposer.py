@@ -557,10 +557,9 @@ class FafoProposer:
             numbers[0] = slots
             numbers[1] = self._row_numbers[:count] if whole else rows
             self._batch_ids = decoding_ids if whole else None
-        # What vLLM verified: the drafts it scheduled, of which len(sampled) - 1 were
-        # accepted, or a branch's win (RequestTable.settle); the kernel writes the last two rows.
+        # What vLLM accepted: len(sampled) - 1 of the drafts, or the spine's tokens before a
+        # won branch (taken 0; RequestTable.settle); the kernel writes the last two rows.
         numbers[2] = taken
-        numbers[3] = [len(spec_tokens.get(req_id, ())) for req_id in decoding_ids]
         if wins:
             for i, req_id in enumerate(decoding_ids):
                 if req_id in wins:

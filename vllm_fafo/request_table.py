@@ -73,15 +73,16 @@ class RequestTable:
         self._free.append(slot)
         return True
 
-    def settle(self, slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, metrics: FafoMetrics,
+    def settle(self, slots: np.ndarray, taken: np.ndarray, won: np.ndarray, metrics: FafoMetrics,
                accepted: np.ndarray) -> None:
         """What vLLM accepted of each decoding request's last draft, into ``accepted``:
-        of the tokens it took for request ``slots[i]`` (``taken[i]``, one of them its
-        own), the drafts it verified (``verified[i]``: those it scheduled, none after a
-        preemption, fewer where its token budget cut them), at most the draft's length;
-        where ``taken[i]`` is 0 (a draft tree's branch won), ``verified[i]`` tokens. The
-        metrics count the accepted tokens by origin."""
-        settle_drafts(slots, taken, verified, self.draft_len, self.draft_origins, metrics.accepted_counts, accepted)
+        the tokens it took for request ``slots[i]`` (``taken[i]``) but its own one, at most
+        the draft's length; where ``taken[i]`` is 0 (a draft tree's branch won), the spine's
+        ``won[i]`` tokens before the branch (``won`` is read nowhere else). vLLM takes at most
+        one token more than the drafts it verified (fewer than the draft where its token
+        budget cut them, none after a preemption), so they bound nothing more. The metrics
+        count the accepted tokens by origin."""
+        settle_drafts(slots, taken, won, self.draft_len, self.draft_origins, metrics.accepted_counts, accepted)
 
     def kernel_arguments(self, metrics: FafoMetrics) -> tuple[tuple, tuple]:
         """The table and the metrics' counts (with the filler's and the lanes' origin codes)
@@ -102,13 +103,12 @@ class RequestTable:
 
 
 @njit(cache=True)
-def settle_drafts(slots: np.ndarray, taken: np.ndarray, verified: np.ndarray, draft_len: np.ndarray,
+def settle_drafts(slots: np.ndarray, taken: np.ndarray, won: np.ndarray, draft_len: np.ndarray,
                   draft_origins: np.ndarray, counts: np.ndarray, accepted: np.ndarray) -> None:
     """:meth:`RequestTable.settle` in one call."""
     for i in range(len(slots)):
         slot = slots[i]
-        count = verified[i] if taken[i] == 0 else min(taken[i] - 1, verified[i])
-        count = min(count, draft_len[slot])
+        count = min(won[i] if taken[i] == 0 else taken[i] - 1, draft_len[slot])
         accepted[i] = count
         for k in range(count):
             counts[draft_origins[slot, k]] += 1

@@ -20,6 +20,7 @@ from vllm_fafo.drafting.pool_kernels import (
     CFG_MIN_KEY,
     CFG_VOTES,
     E_LEN,
+    E_NEXT,
     E_ORIGIN,
     E_TOK,
     O_RUNNING_KEYS,
@@ -110,9 +111,10 @@ def _room(st, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prom
 @njit(cache=True)
 def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
                   seed_from_output, max_key, num_keys):
-    """Read, changing nothing, what the step's filing will probe first (each key's table
-    cell, its key row, its newest candidate's row), in three passes over its keys (at
-    most ``num_keys``, as :func:`_room` counted them); returns a checksum. Each pass's
+    """Read, changing nothing, what the step's filing will probe (each key's table cell,
+    its key row, its candidates' rows and stamps), in passes over its keys (at most
+    ``num_keys``, as :func:`_room` counted them): the cells, the rows, then the candidate
+    lists a candidate at a time, every key's in each pass; returns a checksum. Each pass's
     reads are independent of each other, so the processor overlaps their cache misses;
     the filing's own probes wait each for the one before (the caches are cold after a
     forward: docs/results/host-time.md)."""
@@ -132,10 +134,17 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
                 n += 1
     for j in range(n):
         cells[j] = keys[cells[j] - 1, S_HEAD] if cells[j] > 0 else -1
+    # walk every key's candidates a step at a time, all keys in each round
     checksum = 0
-    for j in range(n):
-        if cells[j] >= 0:
-            checksum += entries[cells[j], E_LEN] + stamps[cells[j]]
+    live = n
+    while live > 0:
+        live = 0
+        for j in range(n):
+            e = cells[j]
+            if e >= 0:
+                checksum += entries[e, E_LEN] + stamps[e]
+                cells[j] = entries[e, E_NEXT]
+                live += 1
     return checksum
 
 

@@ -594,8 +594,9 @@ class FafoProposer:
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
         # cut, or padded (pad_drafts); the buffer's columns past the longest are never read
         found_drafts = found.tokens[:, :longest].tolist()
-        if shortest < longest:  # not all as long (padded drafts are)
-            found_drafts = [tokens[:length] for tokens, length in zip(found_drafts, lengths.tolist())]
+        if shortest < longest:  # not all as long (padded drafts are): each list cut in place
+            for tokens, length in zip(found_drafts, lengths.tolist()):
+                del tokens[length:]
         drafts: list[list[int]] = found_drafts
         if not whole:
             drafts = [[] for _ in sampled_token_ids]

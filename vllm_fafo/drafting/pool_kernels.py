@@ -234,6 +234,7 @@ def _file_under(st, s, tag, cand, c0, n, origin):
     the key is full)."""
     counters = st[ST_COUNTERS]
     counters[CNT_STAMP] += 1
+    full = st[ST_SLOTS][s, S_COUNT] >= st[ST_CFG][CFG_CAPACITY]  # the oldest is evicted: find it
     e = st[ST_SLOTS][s, S_HEAD]
     oldest, oldest_stamp = -1, np.int64(0)
     while e >= 0:
@@ -242,10 +243,10 @@ def _file_under(st, s, tag, cand, c0, n, origin):
             st[ST_ENTRIES][e, E_ORIGIN] = origin
             st[ST_ENTRIES][e, E_TAG] = tag
             return
-        if oldest < 0 or st[ST_STAMPS][e] < oldest_stamp:
+        if full and (oldest < 0 or st[ST_STAMPS][e] < oldest_stamp):
             oldest, oldest_stamp = e, st[ST_STAMPS][e]
         e = st[ST_ENTRIES][e, E_NEXT]
-    if st[ST_SLOTS][s, S_COUNT] >= st[ST_CFG][CFG_CAPACITY]:
+    if full:
         e = oldest
     else:
         counters[CNT_ENTRY_FREE] -= 1

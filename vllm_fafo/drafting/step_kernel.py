@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from vllm_fafo.drafting.pool_kernels import (
+    CFG_CAPACITY,
     CFG_MAX_KEY,
     CFG_MIN_KEY,
     CFG_VOTES,
@@ -24,6 +25,7 @@ from vllm_fafo.drafting.pool_kernels import (
     E_ORIGIN,
     E_TOK,
     O_RUNNING_KEYS,
+    S_COUNT,
     S_HEAD,
     ST_CFG,
     ST_ENTRIES,
@@ -132,8 +134,12 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
             for key_len in range(min_key, min(max_key, end) + 1):
                 cells[n] = table[hash_key(owners[s, 0], hist, end - key_len, key_len) & mask]
                 n += 1
+    capacity = st[ST_CFG][CFG_CAPACITY]
+    full = np.empty(n, dtype=np.bool_)  # the filing reads the stamps of a full key's candidates only
     for j in range(n):
-        cells[j] = keys[cells[j] - 1, S_HEAD] if cells[j] > 0 else -1
+        slot = cells[j] - 1
+        full[j] = slot >= 0 and keys[slot, S_COUNT] >= capacity
+        cells[j] = keys[slot, S_HEAD] if slot >= 0 else -1
     # walk every key's candidates a step at a time, all keys in each round
     checksum = 0
     live = n
@@ -142,7 +148,7 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
         for j in range(n):
             e = cells[j]
             if e >= 0:
-                checksum += entries[e, E_LEN] + stamps[e]
+                checksum += entries[e, E_LEN] + (stamps[e] if full[j] else 0)
                 cells[j] = entries[e, E_NEXT]
                 live += 1
     return checksum

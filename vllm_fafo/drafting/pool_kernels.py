@@ -228,13 +228,20 @@ def _same_entry(st, e, cand, c0, n):
 
 
 @njit(cache=True, inline="always")
+def key_full(st, s):
+    """Whether slot ``s``'s key holds the arena's capacity of candidates: filing a new one
+    evicts the least recently used (whose stamps only then are read)."""
+    return st[ST_SLOTS][s, S_COUNT] >= st[ST_CFG][CFG_CAPACITY]
+
+
+@njit(cache=True, inline="always")
 def _file_under(st, s, tag, cand, c0, n, origin):
     """File a candidate under slot ``s``, tagged ``tag``: refresh it if held (its origin
     and tag the new ones), else add it (evicting the least recently used candidate where
     the key is full)."""
     counters = st[ST_COUNTERS]
     counters[CNT_STAMP] += 1
-    full = st[ST_SLOTS][s, S_COUNT] >= st[ST_CFG][CFG_CAPACITY]  # the oldest is evicted: find it
+    full = key_full(st, s)  # the oldest is evicted: find it
     e = st[ST_SLOTS][s, S_HEAD]
     oldest, oldest_stamp = -1, np.int64(0)
     while e >= 0:

@@ -16,7 +16,6 @@ import numpy as np
 from numba import njit
 
 from vllm_fafo.drafting.pool_kernels import (
-    CFG_CAPACITY,
     CFG_MAX_KEY,
     CFG_MIN_KEY,
     CFG_VOTES,
@@ -25,7 +24,6 @@ from vllm_fafo.drafting.pool_kernels import (
     E_ORIGIN,
     E_TOK,
     O_RUNNING_KEYS,
-    S_COUNT,
     S_HEAD,
     ST_CFG,
     ST_ENTRIES,
@@ -36,6 +34,7 @@ from vllm_fafo.drafting.pool_kernels import (
     file_candidate,
     has_room,
     hash_key,
+    key_full,
     match_pool,
 )
 from vllm_fafo.drafting.text_kernels import deep_match, feed_text
@@ -134,11 +133,10 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
             for key_len in range(min_key, min(max_key, end) + 1):
                 cells[n] = table[hash_key(owners[s, 0], hist, end - key_len, key_len) & mask]
                 n += 1
-    capacity = st[ST_CFG][CFG_CAPACITY]
     full = np.empty(n, dtype=np.bool_)  # the filing reads the stamps of a full key's candidates only
     for j in range(n):
         slot = cells[j] - 1
-        full[j] = slot >= 0 and keys[slot, S_COUNT] >= capacity
+        full[j] = slot >= 0 and key_full(st, slot)
         cells[j] = keys[slot, S_HEAD] if slot >= 0 else -1
     # walk every key's candidates a step at a time, all keys in each round
     checksum = 0

@@ -89,41 +89,48 @@ def call_rows(evict_mib: int, calls: int) -> list[str]:
 
 
 def step_kernel_rows(evict_mib: int, steps: int) -> list[str]:
-    """FAFO's step kernel, cold, in proposer_step_cost.py's steps, beside a trivial kernel
-    taking the same arguments."""
+    """FAFO's step kernel, cold, in proposer_step_cost.py's steps, called as the proposer
+    calls it (:class:`~vllm_fafo.direct_call.DirectCall`), beside a trivial kernel taking the
+    same arguments, called so and through numba's dispatcher (the arguments' share)."""
     import proposer_step_cost
 
     from vllm_fafo import propose_kernel
+    from vllm_fafo.direct_call import DirectCall
 
     time_call = timer(evict_mib)
 
     names = ", ".join(inspect.signature(propose_kernel.propose_step.py_func).parameters)
     namespace: dict = {}
-    exec(f"def same_arguments({names}):\n    return batch[0, 0] if batch.shape[1] else 0\n", namespace)  # noqa: S102
+    exec(f"def same_arguments({names}):\n    return batch[0, 0] if count else 0\n", namespace)  # noqa: S102
     same_arguments = njit(namespace["same_arguments"])
+    direct_same_arguments = DirectCall(same_arguments, 5)
 
-    real = propose_kernel.propose_step
-    seconds: dict[str, list[float]] = {"step": [], "arguments": []}
+    seconds: dict[str, list[float]] = {"step": [], "direct": [], "dispatcher": []}
+    call = DirectCall.__call__
 
-    def timed_step(*args):
-        seconds["arguments"].append(time_call(lambda: same_arguments(*args), True))
+    def timed_call(self, *args):
+        if self.kernel is not propose_kernel.propose_step:
+            return call(self, *args)
+        seconds["direct"].append(time_call(lambda: direct_same_arguments(*args), True))
+        seconds["dispatcher"].append(time_call(lambda: same_arguments(*args), True))
         result = []
-        seconds["step"].append(time_call(lambda: result.append(real(*args)), True))
+        seconds["step"].append(time_call(lambda: result.append(call(self, *args)), True))
         return result[0]
 
     rows = []
-    propose_kernel.propose_step = timed_step
+    DirectCall.__call__ = timed_call
     try:
         for batch in (1, 32):
             for series in seconds.values():
                 series.clear()
             proposer_step_cost.measure(batch, 128, steps, "goodput")
             first = min(10, steps // 2)  # the first steps grow the arrays
-            rows.append(f"| step kernel, batch {batch} | - | {1e6 * statistics.median(seconds['step'][first:]):.1f} |")
-            rows.append(f"| a trivial kernel taking its arguments, batch {batch} | - | "
-                        f"{1e6 * statistics.median(seconds['arguments'][first:]):.1f} |")
+            median = {name: 1e6 * statistics.median(series[first:]) for name, series in seconds.items()}
+            rows.append(f"| step kernel, batch {batch} | - | {median['step']:.1f} |")
+            rows.append(f"| a trivial kernel taking its arguments, batch {batch} | - | {median['direct']:.1f} |")
+            rows.append(f"| the same through numba's dispatcher, batch {batch} | - | {median['dispatcher']:.1f} |")
     finally:
-        propose_kernel.propose_step = real
+        DirectCall.__call__ = call
     return rows
 
 

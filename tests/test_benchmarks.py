@@ -543,9 +543,9 @@ def test_cold_calls_times_each_call_warm_and_cold(monkeypatch):
         "| numba kernel taking a structref of 64 arrays"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip(" |").split(" | ")[1:])
     # the step kernel beside a trivial kernel taking its arguments (as many as it takes: a
-    # changed signature fails here)
+    # changed signature fails here), called directly and through the dispatcher
     rows = cold_calls.step_kernel_rows(evict_mib=1, steps=4)
     assert [row.split(" | ")[0] for row in rows] == [
-        "| step kernel, batch 1", "| a trivial kernel taking its arguments, batch 1",
-        "| step kernel, batch 32", "| a trivial kernel taking its arguments, batch 32"]
+        f"| {name}, batch {batch}" for batch in (1, 32) for name in (
+            "step kernel", "a trivial kernel taking its arguments", "the same through numba's dispatcher")]
     assert all(float(row.strip(" |").split(" | ")[2]) > 0 for row in rows)

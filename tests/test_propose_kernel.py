@@ -101,7 +101,10 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     matching prefix and one more): the proposer with the one kernel call and one making
     the separate calls give the same drafts every step, and end with the same request
     table, judge queue, metrics, draft yields and cost curve; the arrays the kernel is
-    handed without gathering them each step are, every step, the ones its owners hold."""
+    handed without gathering them each step are, every step, the ones its owners hold.
+    The fused proposer reads the texts from the same two arrays every step, as vLLM's input
+    batch hands them (rows rewritten in place), so its kernel is called past numba's
+    dispatcher (vllm_fafo.direct_call) in the steps where nothing it holds grew."""
     settings = {"controller": "goodput", "num_speculative_tokens": 6, **settings}
     fused = make_proposer(max_model_len=512, **settings)
     separate = make_proposer(max_model_len=512, **settings)
@@ -114,6 +117,7 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         proposer.clock = lambda: now[0]
     req_ids, drafts, scheduled = ["a", "b"], [[], []], {}
     states, drafted, step_arrays = {}, 0, []
+    batch_tokens, batch_history = np.zeros(3, dtype=np.int32), np.zeros_like(history)  # vLLM's input batch
     for step in range(40):
         if step == 5:
             req_ids, drafts = [*req_ids, "c"], [*drafts, []]
@@ -127,11 +131,12 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         new = {req_id: None for req_id in req_ids if req_id not in states}
         states.update(new)
         results = []
-        for proposer in (fused, separate):
+        batch_tokens[: len(rows)], batch_history[: len(rows)] = num_tokens[rows], history[rows]
+        for proposer, texts in ((fused, (batch_tokens, batch_history)), (separate, (num_tokens[rows], history[rows]))):
             proposer.begin_step(finished, len(req_ids) + sum(map(len, drafts)), scheduled, new)
             now[0] += seconds
             proposer.finish_forward(req_ids, None)
-            results.append(proposer.propose(sampled, num_tokens[rows], history[rows]))
+            results.append(proposer.propose(sampled, *texts))
         assert results[0] == results[1], f"step {step}"
         step_arrays.append(fused._held)
         # the arrays the kernel is handed without gathering them are the owners' own
@@ -144,6 +149,8 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     assert drafted > 40 and sum(fused.metrics.accepted_tokens.values()) > 20  # drafts found and accepted
     # the owners grew during the run and the kernel followed them (StepArrays made anew), not every step
     assert 1 < len({id(held) for held in step_arrays}) < len(step_arrays) / 2
+    # called through the dispatcher where they grew (and the first step), past it otherwise
+    assert 1 < fused._step_call.resolutions < len(step_arrays) / 2
     for name in ("draft_len", "draft_origins", "next_anchor", "owners"):
         np.testing.assert_array_equal(getattr(fused._table, name), getattr(separate._table, name), err_msg=name)
     assert len(fused.judge) == len(separate.judge)

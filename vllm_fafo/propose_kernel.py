@@ -68,15 +68,16 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 
 @njit(cache=True)
-def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_trials, choose, tokens, seconds,
-                 lane_tokens, tree_tokens, step_tokens):
-    """One step for the decoding requests of ``batch``, rows (slots, batch rows, tokens
-    vLLM took, where that is 0 the spine's tokens before a won branch (read nowhere else),
-    then written here: text lengths, drafts accepted),
+def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count, judge_count, choose, tokens,
+                 seconds, lane_tokens, tree_tokens, step_tokens):
+    """One step for the ``count`` decoding requests in the first columns of ``batch``, rows
+    (slots, batch rows, tokens vLLM took, where that is 0 the spine's tokens before a won
+    branch (read nowhere else), then written here: text lengths, drafts accepted),
     whose texts are the first ``num_tokens_no_spec[row]`` tokens of ``history[row]``.
     ``held``: the owners' arrays (:class:`~vllm_fafo.step_arrays.StepArrays`); ``judge_count``:
     the drafts queued; ``branch_trials``: the draft tree's branches verified (rows: ranks,
-    tokens, tokens accepted). The step had ``tokens`` tokens (``lane_tokens`` and
+    tokens, tokens accepted). The arrays come first and stay the same objects step to step
+    (the proposer calls it through :class:`~vllm_fafo.direct_call.DirectCall`). The step had ``tokens`` tokens (``lane_tokens`` and
     ``tree_tokens`` of them in its tail) and took ``seconds``; the next has ``step_tokens``
     before its drafts. The controller's numbers are read from and written to its
     ``control`` array (``held.choice``; :data:`~vllm_fafo.control.kernels.C_LANES` ...).
@@ -110,7 +111,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     shortest draft's length, the lane question's answer: its real tokens, -1 where none was
     asked; lanes; probe). A status other than ``ROOM_OK`` changed nothing but the text
     lengths: the caller grows what lacks room and calls again."""
-    slots, rows, taken, won, num_tokens, accepted = batch[0], batch[1], batch[2], batch[3], batch[4], batch[5]
+    slots, rows, taken, won = batch[0, :count], batch[1, :count], batch[2, :count], batch[3, :count]
+    num_tokens, accepted = batch[4, :count], batch[5, :count]
     draft_len, draft_origins, prompt_lens, next_anchors, owners = held.table
     accepted_counts, proposed_counts, draft_counts, pad, lane = held.counts
     st, frozen, frozen_owner, prior, prior_lens, texts, max_len, ngram_len, seed_from_output, scratch = held.index
@@ -122,7 +124,6 @@ def propose_step(batch, num_tokens_no_spec, history, held, judge_count, branch_t
     reach_overall, reach_by_row, worth_share, control = held.choice
     max_draft = draft_room(control)
 
-    count = len(slots)
     if judge_count + count > judge_table.shape[0]:
         return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
     for i in range(count):

@@ -34,6 +34,7 @@ already keeps, never from a scan of the whole sequence.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_setti
 from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.control.draft_judge import DraftJudge
 from vllm_fafo.control.goodput import BranchSet, draft_tiers, make_controller
+from vllm_fafo.direct_call import DirectCall
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
 from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
@@ -260,13 +262,15 @@ class FafoProposer:
         self._choose_lengths = not self.config.pad_drafts
         """Whether the step's kernel cuts the drafts to the controller's lengths (else it pads
         them, or the goodput controller's tiers cut them after it: ``pad_drafts``)."""
-        self._numbers = np.zeros(6 * 64, dtype=np.int64)
+        self._numbers = np.zeros((6, 64), dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
         self._batch_ids: list[str] | None = None
         self._batch: np.ndarray = self._numbers[:0].reshape(6, 0)
         """The last step's decoding requests (where every row decoded) and its batch's numbers,
         whose slots and rows stand while the same requests decode in the same order and none
         was removed (None: look them up)."""
+        self._step_call = DirectCall(propose_kernel.propose_step, 5)
+        """The step's kernel, called past numba's dispatcher while its arrays stand."""
         self._load_step_kernel()
         self.lanes: FumbleLanes | None = None
         region = RegionSpec.from_vllm_config(vllm_config)
@@ -630,9 +634,11 @@ class FafoProposer:
         trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once
             held = self._held if self._held is not None else self._hold_step_arrays()
-            status, num_keys, queued, mode, longest, shortest, lane_answer = propose_kernel.propose_step(
-                numbers, num_tokens_no_spec, token_ids, held, len(self.judge), trials, self._choose_lengths,
-                float(tokens), seconds, lane_tokens, tree_tokens, step_tokens)
+            args = (self._numbers, num_tokens_no_spec, token_ids, held, trials, count, len(self.judge),
+                    self._choose_lengths, float(tokens), float(seconds), lane_tokens, tree_tokens, step_tokens)
+            call = self._step_call  # past numba's dispatcher where the arrays stand (without a frame of its own)
+            status, num_keys, queued, mode, longest, shortest, lane_answer = \
+                call.entry(*args) if all(map(operator.is_, args, call.arrays)) else call(*args)
             if status == propose_kernel.ROOM_OK:
                 break
             self._held = None  # what lacked room grows
@@ -664,19 +670,20 @@ class FafoProposer:
         return self._held
 
     def _batch_numbers(self, count: int) -> np.ndarray:
-        """A (6, ``count``) int64 buffer for the step's batch (:func:`~vllm_fafo.propose_kernel.propose_step`'s
-        ``batch``), reused step to step."""
-        if 6 * count > len(self._numbers):
-            self._numbers = np.zeros(12 * count, dtype=np.int64)
+        """The step's batch (:func:`~vllm_fafo.propose_kernel.propose_step`'s ``batch``): the
+        first ``count`` columns of a (6, capacity) int64 buffer that the kernel is handed whole,
+        the same object step to step (grown only where ``count`` passes its capacity)."""
+        if count > self._numbers.shape[1]:
+            self._numbers = np.zeros((6, 2 * count), dtype=np.int64)
             self._row_numbers = np.arange(2 * count, dtype=np.int64)
-        return self._numbers[: 6 * count].reshape(6, count)
+        return self._numbers[:, :count]
 
     def _load_step_kernel(self) -> None:
         """Run the step's kernel once on an empty batch of the step's types (vLLM's token rows
         are int32), so that numba loads it (on a new machine: compiles it) while the engine
         starts, not in its first request's step."""
-        self._run_step_kernel(np.zeros((6, 0), dtype=np.int64), np.zeros(1, dtype=np.int32),
-                              np.zeros((1, 1), dtype=np.int32), [], 0, 0.0, 0, 0, 0)
+        self._run_step_kernel(self._batch_numbers(0), np.zeros(1, dtype=np.int32), np.zeros((1, 1), dtype=np.int32), [],
+                              0, 0.0, 0, 0, 0)
 
     def _size_branches(self, step_tokens: int, states: list[RequestState], spine_lens: np.ndarray) -> None:
         """Cut the branches just grown to what the controller says pays next step

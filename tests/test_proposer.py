@@ -277,7 +277,7 @@ def test_branch_hidden_states_come_from_the_planned_forward_only():
     proposer = make_proposer()
     request = layout_request("a", 0, 0, 4, 3, [Branch(0, (7, 8))])
     proposer.step = FafoStep(num_scheduled_tokens=3, scheduled_spec_tokens={"a": [5, 6]}, started=0.0,
-                             branches=BranchPlan(np.array([7, 8]), np.array([5, 6]), (request,)))
+                             branches=BranchPlan(np.array([7, 8]), np.array([5, 6]), (request,)), tree_tokens=2)
     hidden = torch.arange(5.0)[:, None].expand(5, 4)
     assert proposer.branch_hidden_states(torch.zeros(16, 4)) is None  # a dummy forward's
     assert proposer.branch_hidden_states(hidden)[:, 0].tolist() == [3.0, 4.0]

@@ -149,6 +149,10 @@ class FafoStep:
     planned: bool = False
     plan: StepPlan | None = None
     """The lanes' plan, once the batch is prepared (None: pool only, or not yet)."""
+    lane_tokens: int = 0
+    """The lanes' tokens in the forward's tail (the plan's)."""
+    tree_tokens: int = 0
+    """The draft tree's branch tokens in the forward's tail, behind the lanes'."""
     plan_attached: bool = False
     branches: BranchPlan | None = None
     """The draft tree's branches riding behind the lanes (None: spine only)."""
@@ -167,14 +171,6 @@ class FafoStep:
     tail_written: bool = False
     req_ids: Sequence[str] | None = None
     """Row order of the batch that ``propose`` receives."""
-
-    @property
-    def lane_tokens(self) -> int:
-        return self.plan.num_tail_tokens if self.plan is not None else 0
-
-    @property
-    def tree_tokens(self) -> int:
-        return self.branches.num_tokens if self.branches is not None else 0
 
     @property
     def tail_tokens(self) -> int:
@@ -335,11 +331,14 @@ class FafoProposer:
         if self.lanes is not None:
             step.plan = self.lanes.plan_step(batch, self.controller.choose_lanes)
             if step.plan is not None:
+                step.lane_tokens = step.plan.num_tail_tokens
                 self.metrics.caught_up_positions += sum(len(c.positions) for c in step.plan.catch_up)
-                self.metrics.tail_tokens += step.plan.num_tail_tokens
+                self.metrics.tail_tokens += step.lane_tokens
         if self.tree_enabled:
             step.branches = self._plan_branches(batch, batch.num_tokens + step.lane_tokens)
-        return step.tail_tokens
+            if step.branches is not None:
+                step.tree_tokens = step.branches.num_tokens
+        return step.lane_tokens + step.tree_tokens
 
     def attention_plan(self) -> StepPlan | None:
         """3. vLLM builds this forward's attention metadata: the lanes' plan to attach, once."""

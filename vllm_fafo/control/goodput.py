@@ -872,8 +872,11 @@ class _Probe:
 
     def flags(self) -> tuple[int, int]:
         """Whether it is due, and whether it runs whatever the estimates say (in a burst, or
-        overdue), as the step's kernel reads them (:data:`~vllm_fafo.control.kernels.C_PROBE_DUE`)."""
-        return int(self.due()), int(self.in_burst() or self.overdue())
+        overdue), as the step's kernel reads them (:data:`~vllm_fafo.control.kernels.C_PROBE_DUE`):
+        :meth:`due`, :meth:`in_burst` or :meth:`overdue`, written out (asked every step, between
+        two forwards, where each call of a method costs about a microsecond)."""
+        burst = self.burst_left > 0
+        return int(burst or self.steps_off >= self.interval), int(burst or self.steps_off >= self.max_interval)
 
     def step(self, chosen: bool, probe: bool) -> tuple[int, int]:
         """A lane choice was made (lanes ``chosen``, or a ``probe`` run); returns :meth:`flags` after it."""

@@ -38,7 +38,8 @@ vLLM's own step (``vllm_fafo.proposer`` reads that step top to bottom):
    the proposer is about to receive), the requests a branch can serve
    exactly, and the hidden states the lanes read.
 
-Other drafters pass through untouched.
+Steps 3 to 6 reach the proposer only where its step planned lanes or branches
+into the forward. Other drafters pass through untouched.
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ from vllm_fafo.verification.draft_tree import keeps_exact_with_branches
 def _fafo_drafter(runner: GPUModelRunner) -> FafoProposer | None:
     drafter = getattr(runner, "drafter", None)
     return drafter if isinstance(drafter, FafoProposer) else None
+
+
+def _drafter_with_tail(runner: GPUModelRunner) -> FafoProposer | None:
+    """The FAFO proposer where its step planned lanes or branches into this forward: its
+    hooks between the planning and the drafting (steps 3-6) have nothing to do otherwise
+    (every step where lanes are parked), and are not called (each call of a method between
+    two forwards costs about a microsecond)."""
+    drafter = getattr(runner, "drafter", None)
+    if not isinstance(drafter, FafoProposer):
+        return None
+    step = drafter.step
+    return drafter if step is not None and (step.plan is not None or step.branches is not None) else None
 
 
 def _batch_view(runner: GPUModelRunner, num_tokens: int) -> BatchView:
@@ -132,10 +145,11 @@ def apply() -> None:
         result = original_update(self, scheduler_output)
         drafter = _fafo_drafter(self)
         if drafter is not None:
+            new_requests = scheduler_output.scheduled_new_reqs
             drafter.begin_step(scheduler_output.finished_req_ids,
                                scheduler_output.total_num_scheduled_tokens,
                                scheduler_output.scheduled_spec_decode_tokens,
-                               {new.req_id: cache_salt_of(new) for new in scheduler_output.scheduled_new_reqs})
+                               {new.req_id: cache_salt_of(new) for new in new_requests} if new_requests else {})
         return result
 
     @functools.wraps(original_determine)
@@ -174,7 +188,7 @@ def apply() -> None:
     @functools.wraps(original_build_metadata)
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, *rest = original_build_metadata(self, *args, **kwargs)
-        drafter = _fafo_drafter(self)
+        drafter = _drafter_with_tail(self)
         if drafter is None:
             return (attn_metadata, *rest)
         plan = drafter.attention_plan()
@@ -188,7 +202,7 @@ def apply() -> None:
     @functools.wraps(original_preprocess)
     def _preprocess(self, scheduler_output, num_input_tokens, *args, **kwargs):
         result = original_preprocess(self, scheduler_output, num_input_tokens, *args, **kwargs)
-        drafter = _fafo_drafter(self)
+        drafter = _drafter_with_tail(self)
         tail = drafter.tail_inputs() if drafter is not None else None
         if tail is not None:
             ids, positions = tail
@@ -201,7 +215,7 @@ def apply() -> None:
     @functools.wraps(original_model_forward)
     def _model_forward(self, *args, **kwargs):
         output = original_model_forward(self, *args, **kwargs)
-        drafter = _fafo_drafter(self)
+        drafter = _drafter_with_tail(self)
         if drafter is not None and isinstance(output, torch.Tensor):
             branch_states = drafter.branch_hidden_states(output)
             if branch_states is not None:
@@ -210,7 +224,7 @@ def apply() -> None:
 
     @functools.wraps(original_sample_tokens)
     def sample_tokens(self, grammar_output, *args, **kwargs):
-        drafter = _fafo_drafter(self)
+        drafter = _drafter_with_tail(self)
         state = self.execute_model_state
         if drafter is not None and state is not None and drafter.branch_hidden_states(state.hidden_states) is not None:
             raise RuntimeError(
@@ -222,7 +236,7 @@ def apply() -> None:
 
     @functools.wraps(original_sample)
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
-        drafter = _fafo_drafter(self)
+        drafter = _drafter_with_tail(self)
         sampler_output = original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         if drafter is not None and spec_decode_metadata is not None:
             drafter.accept_branches(sampler_output.sampled_token_ids, self.input_batch.generators)

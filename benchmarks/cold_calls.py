@@ -8,7 +8,9 @@ forward): a Python function, a numpy call, numba kernels taking 1 to 64
 arrays or one structref holding 64 (numba reads it as one object: what handing
 the step's arrays over in one object would cost), and FAFO's step kernel (:func:`vllm_fafo.propose_kernel.propose_step`)
 as :mod:`proposer_step_cost` drives the proposer at batch 1 and 32 (cold only;
-a trivial kernel taking the same arguments beside it: the arguments' share).
+a trivial kernel taking the same arguments beside it, the arguments' share,
+called as the proposer calls the step's kernel, past numba's dispatcher
+(:class:`vllm_fafo.direct_call.DirectCall`), and through the dispatcher).
 Median us per call.
 
     python benchmarks/cold_calls.py

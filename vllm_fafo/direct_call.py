@@ -2,9 +2,9 @@
 
 A numba dispatcher types every argument of every call, then looks up the code
 compiled for those types: between two forwards, with the processor's caches
-cold, that costs the step's kernel about 18-26 us on the 2-core CPU against
-7 us for calling the compiled entry point directly (``benchmarks/cold_calls.py``,
-docs/results/host-time.md), at every batch size. The entry point unboxes arrays
+cold, calling the step's kernel's compiled entry point instead saved 17-22 us a
+step on the 2-core CPU at every batch size (docs/results/host-time.md; ``python
+benchmarks/cold_calls.py`` times a trivial kernel both ways). The entry point unboxes arrays
 without checking their types (numba 0.65.0), so :class:`DirectCall` calls it only
 with the very array objects it was resolved for, and goes through the dispatcher
 (resolving again) whenever one of them is another object.

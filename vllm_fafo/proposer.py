@@ -261,7 +261,7 @@ class FafoProposer:
         self._numbers = np.zeros((6, 64), dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
         self._batch_ids: list[str] | None = None
-        self._batch: np.ndarray = self._numbers[:0].reshape(6, 0)
+        self._batch: np.ndarray = self._numbers[:, :0]
         """The last step's decoding requests (where every row decoded) and its batch's numbers,
         whose slots and rows stand while the same requests decode in the same order and none
         was removed (None: look them up)."""
@@ -628,7 +628,8 @@ class FafoProposer:
         that its ``tokens``, ``lane_tokens`` and ``tree_tokens`` of them in its tail, took
         ``seconds``; the next step has ``step_tokens`` before its drafts), growing what it
         finds short; returns what it did with the drafts' lengths (the mode), and the longest
-        and the shortest draft's length."""
+        and the shortest draft's length. ``numbers`` is :meth:`_batch_numbers`' view: the
+        kernel is handed the buffer under it whole, with the batch's count."""
         slots, count = numbers[0], numbers.shape[1]
         trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once

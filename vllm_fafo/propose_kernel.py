@@ -79,8 +79,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     tokens, tokens accepted). The arrays come first and stay the same objects step to step
     (the proposer calls it through :class:`~vllm_fafo.direct_call.DirectCall`). The step
     had ``tokens`` tokens (``lane_tokens`` and ``tree_tokens`` of them in its tail) and took
-    ``seconds``; the next has ``step_tokens`` before its drafts. The controller's numbers are read from and written to its
-    ``control`` array (``held.choice``; :data:`~vllm_fafo.control.kernels.C_LANES` ...).
+    ``seconds``; the next has ``step_tokens`` before its drafts. The controller's numbers
+    are read from and written to its ``control`` array (``held.choice``; :data:`~vllm_fafo.control.kernels.C_LANES` ...).
 
     1. file their new n-grams and draft up to the controller's room (:func:`~vllm_fafo.control.kernels.draft_room`;
        :func:`~vllm_fafo.drafting.step_kernel.file_and_draft`, ``index`` and ``outputs``:

@@ -861,7 +861,7 @@ class _Probe:
         self.interval = self.base
 
     def due(self) -> bool:
-        return self.in_burst() or self.steps_off >= self.interval
+        return bool(self.flags()[0])
 
     def in_burst(self) -> bool:
         return self.burst_left > 0
@@ -873,8 +873,8 @@ class _Probe:
     def flags(self) -> tuple[int, int]:
         """Whether it is due, and whether it runs whatever the estimates say (in a burst, or
         overdue), as the step's kernel reads them (:data:`~vllm_fafo.control.kernels.C_PROBE_DUE`):
-        :meth:`due`, :meth:`in_burst` or :meth:`overdue`, written out (asked every step, between
-        two forwards, where each call of a method costs about a microsecond)."""
+        :meth:`in_burst` and :meth:`overdue` written out (asked every step, between two
+        forwards, where each call of a method costs about a microsecond)."""
         burst = self.burst_left > 0
         return int(burst or self.steps_off >= self.interval), int(burst or self.steps_off >= self.max_interval)
 

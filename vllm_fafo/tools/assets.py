@@ -115,19 +115,34 @@ def smollm2_dir() -> Path:
     return out
 
 
+def prior_table_dtype() -> str:
+    """The dtype the prior table's build runs SmolLM2 in: bfloat16 on a GPU, or on a CPU
+    with bfloat16 instructions (AVX512-BF16 or AMX, the checks vLLM 0.32.0's CPU platform
+    makes), where it is about twice as fast as float32; float32 elsewhere: on an AVX2-only
+    CPU torch emulates bfloat16, and a matrix product of SmolLM2's took 75 times float32's
+    (530 vs 7 ms; the build did not end in 20 minutes)."""
+    import torch
+
+    if torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return "bfloat16"
+    return "float32"
+
+
 def smollm2_prior_table() -> Path:
     """The prior table of the SmolLM2 build (:mod:`vllm_fafo.drafting.prior_table`), where
     ``"prior_table": "auto"`` finds it; built once by the shipped command, in its own
-    process (it runs a vLLM engine), in bfloat16: twice as fast on a CPU with bf16
-    instructions as float32, and a guess either way (drafts are verified)."""
+    process (it runs a vLLM engine), in :func:`prior_table_dtype` (a guess either way:
+    drafts are verified)."""
     from vllm_fafo.drafting.prior_table import default_path
 
     model = str(smollm2_dir())
     out = default_path(model)
     if not out.exists():
-        print("building SmolLM2's prior table once (vllm-fafo-prior-table; a few minutes on a CPU)", flush=True)
+        dtype = prior_table_dtype()
+        print(f"building SmolLM2's prior table once (vllm-fafo-prior-table, {dtype}; a few minutes on a CPU)",
+              flush=True)
         subprocess.run([sys.executable, "-m", "vllm_fafo.tools.build_prior_table", "--model", model,
-                        "--engine-args", json.dumps({"dtype": "bfloat16"})], check=True)
+                        "--engine-args", json.dumps({"dtype": dtype})], check=True)
     return out
 
 

@@ -177,3 +177,18 @@ def test_build_rows_are_the_targets_greedy_continuations(plain_llm, model_dir):
             ids = torch.tensor([[*prefix, token]])
             expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
             assert list(PriorTable(rows).continuation(token)) == expected[0, ids.shape[1] :].tolist(), token
+
+
+def test_the_builds_dtype_follows_the_processor(monkeypatch):
+    """bfloat16 only where it is computed natively (a GPU, AVX512-BF16, AMX): emulated on an
+    AVX2-only CPU, the build had not ended after 20 minutes."""
+    import torch
+
+    from vllm_fafo.tools.assets import prior_table_dtype
+
+    for cuda, avx512_bf16, amx, expected in ((False, False, False, "float32"), (False, True, False, "bfloat16"),
+                                             (False, False, True, "bfloat16"), (True, False, False, "bfloat16")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda flag=avx512_bf16: flag)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda flag=amx: flag)
+        assert prior_table_dtype() == expected

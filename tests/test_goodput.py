@@ -841,17 +841,19 @@ def test_a_tier_is_priced_by_its_own_steps_not_by_its_token_count():
 
 def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
     """choose_lengths and count_chains against the numpy code they replaced (kept here
-    as the reference): random reach tables, found drafts, key lengths and step prices."""
+    as the reference): random reach tables, found drafts, key lengths and step prices,
+    half the cases with requests worth alike (choose_lengths sorts their groups' worths)."""
     from vllm_fafo.control.kernels import choose_lengths, count_chains
 
     rng = np.random.default_rng(5)
     max_draft, max_key_len = 16, 23
     share = GoodputController(LANE_LEN, max_draft, max_key_len)._worth_share
-    for _ in range(200):
+    for case in range(400):
         requests = int(rng.integers(1, 40))
         table = np.cumprod(rng.random((8, max_draft)) ** 0.3, axis=1)
-        rows = rng.integers(0, 8, requests)
-        key_lens = rng.integers(0, max_key_len + 1, requests)
+        # every other case few rows and key lengths: many requests worth alike (ties at the cut)
+        rows = rng.integers(0, 8 if case % 2 else 2, requests)
+        key_lens = rng.integers(0, max_key_len + 1 if case % 2 else 3, requests)
         available = rng.integers(0, max_draft + 1, requests)
         count = int(available.sum())
         seconds = 0.01 + np.cumsum(rng.random(count + 1) * rng.choice([0.0, 1e-4, 1e-3]))

@@ -48,6 +48,12 @@ def observe_chains(trials: np.ndarray, hits: np.ndarray, decay: float, row_of_ke
     count_chains(trials, hits, rows, lengths, accepted)
 
 
+@njit(cache=True, inline="always")
+def _rate_after(hits: float, trials: float, weight: float, prior: float) -> float:
+    """A position's continuation rate: ``hits`` of ``trials`` and ``weight`` pseudo-trials at ``prior``."""
+    return (hits + weight * prior) / (trials + weight)
+
+
 @njit(cache=True)
 def reach(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weights: np.ndarray,
           out: np.ndarray) -> None:
@@ -58,21 +64,34 @@ def reach(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weights
     for row in range(trials.shape[0]):
         weight, rate, product = weights[row], first_prior[row], 1.0
         for k in range(trials.shape[1]):
-            rate = (hits[row, k] + weight * rate) / (trials[row, k] + weight)
+            rate = _rate_after(hits[row, k], trials[row, k], weight, rate)
             product *= rate
             out[row, k] = product
 
 
 @njit(cache=True)
 def draft_reach(trials: np.ndarray, hits: np.ndarray, overall: np.ndarray, by_row: np.ndarray) -> None:
-    """The draft yields' reach probabilities: over all drafts (``overall``: a quarter of a
-    pseudo-trial, prior 1) and per key length's row (``by_row``: one pseudo-trial, prior
-    the rate over all drafts at the first position)."""
-    total_trials = trials.sum(axis=0).reshape(1, -1)
-    total_hits = hits.sum(axis=0).reshape(1, -1)
-    reach(total_trials, total_hits, np.ones(1), np.full(1, 0.25), overall.reshape(1, -1))
-    first = (total_hits[0, 0] + 0.25) / (total_trials[0, 0] + 0.25)
-    reach(trials, hits, np.full(trials.shape[0], first), np.ones(trials.shape[0]), by_row)
+    """The draft yields' reach probabilities: over all drafts (``overall``: the rows' sums, a
+    quarter of a pseudo-trial, prior 1) and per key length's row (``by_row``: one
+    pseudo-trial, prior the rate over all drafts at the first position). :func:`reach`'s
+    rule written out, allocating nothing: it runs in every step's choice, cold."""
+    rate, product, first = 1.0, 1.0, 1.0
+    for k in range(trials.shape[1]):
+        total_trials, total_hits = 0.0, 0.0
+        for row in range(trials.shape[0]):  # row by row, as numpy's sum over axis 0 adds
+            total_trials += trials[row, k]
+            total_hits += hits[row, k]
+        if k == 0:
+            first = _rate_after(total_hits, total_trials, 0.25, 1.0)
+        rate = _rate_after(total_hits, total_trials, 0.25, rate)
+        product *= rate
+        overall[k] = product
+    for row in range(trials.shape[0]):
+        rate, product = first, 1.0
+        for k in range(trials.shape[1]):
+            rate = _rate_after(hits[row, k], trials[row, k], 1.0, rate)
+            product *= rate
+            by_row[row, k] = product
 
 
 @njit(cache=True, error_model="numpy")  # a step priced at 0 s: rates of inf, as numpy's division gives
@@ -167,27 +186,29 @@ def observe_cost(log_grid: np.ndarray, points: np.ndarray, updated_at: np.ndarra
     return count
 
 
+@njit(cache=True, inline="always")
+def _price(known: np.ndarray, seconds: np.ndarray, count: int, x: float) -> float:
+    """The seconds of a step of ``x`` tokens on a fitted curve (:func:`prices`' rule)."""
+    if count == 0:
+        return 1.0
+    if x < known[0]:
+        return seconds[0] * x / known[0]
+    if x >= known[count - 1]:
+        return seconds[count - 1]
+    j = np.searchsorted(known[:count], x, side="right") - 1  # known[j] <= x < known[j + 1]
+    if x == known[j]:
+        return seconds[j]
+    return (seconds[j + 1] - seconds[j]) / (known[j + 1] - known[j]) * (x - known[j]) + seconds[j]
+
+
 @njit(cache=True)
 def prices(curve: np.ndarray, count: int, tokens: np.ndarray, out: np.ndarray, dearer: bool) -> None:
     """``out[i]``: the seconds of a step of ``tokens[i]`` tokens on a fitted curve of
     ``count`` points (or the dearer of them and ``out[i]``): interpolated as ``np.interp``
     does, flat above the largest size, proportional below the smallest, 1 where the
     curve is empty (:meth:`~vllm_fafo.control.goodput.StepCostModel.predict`)."""
-    known, seconds = curve[0], curve[1]
     for i in range(len(tokens)):
-        x = tokens[i]
-        if count == 0:
-            price = 1.0
-        elif x < known[0]:
-            price = seconds[0] * x / known[0]
-        elif x >= known[count - 1]:
-            price = seconds[count - 1]
-        else:
-            j = np.searchsorted(known[:count], x, side="right") - 1  # known[j] <= x < known[j + 1]
-            if x == known[j]:
-                price = seconds[j]
-            else:
-                price = (seconds[j + 1] - seconds[j]) / (known[j + 1] - known[j]) * (x - known[j]) + seconds[j]
+        price = _price(curve[0], curve[1], count, tokens[i])
         out[i] = max(out[i], price) if dearer else price
 
 
@@ -196,10 +217,10 @@ def step_seconds(plain: np.ndarray, plain_count: int, lanes: np.ndarray, lane_co
                  out: np.ndarray) -> None:
     """Into ``out[i]``, the price of a step of ``start + i`` tokens on the plain curve, or,
     with a lane curve (``lane_count`` > 0), the dearer of both."""
-    tokens = np.arange(start, start + len(out)).astype(np.float64)
-    prices(plain, plain_count, tokens, out, False)
-    if lane_count > 0:
-        prices(lanes, lane_count, tokens, out, True)
+    for i in range(len(out)):
+        x = float(start + i)
+        price = _price(plain[0], plain[1], plain_count, x)
+        out[i] = max(price, _price(lanes[0], lanes[1], lane_count, x)) if lane_count > 0 else price
 
 
 @njit(cache=True)

@@ -842,7 +842,7 @@ def test_a_tier_is_priced_by_its_own_steps_not_by_its_token_count():
 def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
     """choose_lengths and count_chains against the numpy code they replaced (kept here
     as the reference): random reach tables, found drafts, key lengths and step prices,
-    half the cases with requests worth alike (choose_lengths sorts their groups' worths)."""
+    half the cases with requests worth alike (the cut falls among equals: the earliest get them)."""
     from vllm_fafo.control.kernels import choose_lengths, count_chains
 
     rng = np.random.default_rng(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -192,3 +193,24 @@ def test_the_builds_dtype_follows_the_processor(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda flag=avx512_bf16: flag)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda flag=amx: flag)
         assert prior_table_dtype() == expected
+
+
+def test_the_build_runs_the_engine_in_its_process(tmp_path, monkeypatch):
+    """vllm-fafo-prior-table runs vLLM's engine inside its own process, no engine-core
+    process (as the tests and benchmarks do): with one, a build never exited."""
+    import vllm
+
+    from vllm_fafo.tools import build_prior_table
+
+    seen = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen["multiprocessing"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(build_prior_table, "build_rows", lambda llm, width: (np.zeros((4, width), np.int32), [1]))
+    build_prior_table.main(["--model", "m", "--out", str(tmp_path / "table.npz")])
+    assert seen["multiprocessing"] == "0"
+    assert (tmp_path / "table.npz").exists()

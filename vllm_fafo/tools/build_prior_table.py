@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.width <= 64:
         parser.error(f"--width {args.width}: allowed 1..64")
+    # The engine in this process, as the tests and benchmarks run it: with its core in a
+    # process of its own, one build (2-core CPU) wrote its table and then never exited.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
     llm = LLM(model=args.model, **{**BUILD_ENGINE_ARGS, **json.loads(args.engine_args)})

@@ -54,6 +54,16 @@ def _rate_after(hits: float, trials: float, weight: float, prior: float) -> floa
     return (hits + weight * prior) / (trials + weight)
 
 
+@njit(cache=True, inline="always")
+def _reach_row(trials: np.ndarray, hits: np.ndarray, weight: float, prior: float, out: np.ndarray) -> None:
+    """One row of :func:`reach`: the running product of the continuation rates into ``out``."""
+    rate, product = prior, 1.0
+    for k in range(len(out)):
+        rate = _rate_after(hits[k], trials[k], weight, rate)
+        product *= rate
+        out[k] = product
+
+
 @njit(cache=True)
 def reach(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weights: np.ndarray,
           out: np.ndarray) -> None:
@@ -62,11 +72,7 @@ def reach(trials: np.ndarray, hits: np.ndarray, first_prior: np.ndarray, weights
     (``weights``), the prior being the row's rate at the position before (``first_prior``
     at the first)."""
     for row in range(trials.shape[0]):
-        weight, rate, product = weights[row], first_prior[row], 1.0
-        for k in range(trials.shape[1]):
-            rate = _rate_after(hits[row, k], trials[row, k], weight, rate)
-            product *= rate
-            out[row, k] = product
+        _reach_row(trials[row], hits[row], weights[row], first_prior[row], out[row])
 
 
 @njit(cache=True)
@@ -74,24 +80,20 @@ def draft_reach(trials: np.ndarray, hits: np.ndarray, overall: np.ndarray, by_ro
     """The draft yields' reach probabilities: over all drafts (``overall``: the rows' sums, a
     quarter of a pseudo-trial, prior 1) and per key length's row (``by_row``: one
     pseudo-trial, prior the rate over all drafts at the first position). :func:`reach`'s
-    rule written out, allocating nothing: it runs in every step's choice, cold."""
+    rule, allocating nothing: it runs in every step's choice, cold."""
     rate, product, first = 1.0, 1.0, 1.0
     for k in range(trials.shape[1]):
         total_trials, total_hits = 0.0, 0.0
         for row in range(trials.shape[0]):  # row by row, as numpy's sum over axis 0 adds
             total_trials += trials[row, k]
             total_hits += hits[row, k]
-        if k == 0:
-            first = _rate_after(total_hits, total_trials, 0.25, 1.0)
         rate = _rate_after(total_hits, total_trials, 0.25, rate)
         product *= rate
         overall[k] = product
+        if k == 0:
+            first = rate
     for row in range(trials.shape[0]):
-        rate, product = first, 1.0
-        for k in range(trials.shape[1]):
-            rate = _rate_after(hits[row, k], trials[row, k], 1.0, rate)
-            product *= rate
-            by_row[row, k] = product
+        _reach_row(trials[row], hits[row], 1.0, first, by_row[row])
 
 
 @njit(cache=True, error_model="numpy")  # a step priced at 0 s: rates of inf, as numpy's division gives

@@ -166,7 +166,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dataset", default="mtbench")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--parts", action="store_true", help="also time the parts of the plugin's step (PARTS; its methods only)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time each runner method apart (every method) and the parts of the plugin's step "
+                             "(PARTS; its methods only)")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
     args = parser.parse_args()
     if args.method is None:
@@ -214,6 +216,8 @@ def main() -> None:
         print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} "
               f"| {1e6 * statistics.median(hooks):.0f} "
               f"| {1e6 * statistics.median(a + b for a, b in zip(per_step, hooks)):.0f} |", flush=True)
+        if args.parts:
+            part_rows += [part_row(label, batch, f"GPUModelRunner.{name}", times[name][:steps]) for name in TIMED]
         part_rows += parts_rows(label, batch, parts) if parts else []
         part_rows += planning_rows(label, batch, steps, planning)
     if part_rows:

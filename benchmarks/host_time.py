@@ -16,11 +16,12 @@ microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
-``--parts`` also times the parts of FAFO's step (:data:`PARTS`: the step's one kernel
-call with its arguments, the metrics' publishing) and prints, after the method's rows,
-their medians per call and what ``propose`` spends outside them (its own Python: the
-per-request arrays built from vLLM's lists and dicts, the drafts' lists), then the
-lanes' planning before the forward (:data:`PLANNING_PARTS`).
+``--parts`` also prints, after the method's rows, each runner method of :data:`TIMED`
+apart (every method: where one method's time goes against another's), and times the
+parts of FAFO's step (:data:`PARTS`: the step's one kernel call with its arguments, the
+metrics' publishing): their medians per call and what ``propose`` spends outside them
+(its own Python: the per-request arrays built from vLLM's lists and dicts, the drafts'
+lists), then the lanes' planning before the forward (:data:`PLANNING_PARTS`).
 vLLM's own methods have no parts; their timers add to the step, so compare totals
 without ``--parts``.
 

@@ -16,6 +16,11 @@ microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
 
+``--rounds N`` runs the methods in turn N times (one engine per method and round) and
+then prints, per batch size, each method's medians round by round and the ratio of the
+first method to each other one in each round: a machine's spread between engines is
+larger than the gaps it is asked about.
+
 ``--parts`` also prints, after the method's rows, each runner method of :data:`TIMED`
 apart (every method: where one method's time goes against another's), and times the
 parts of FAFO's step (:data:`PARTS`: the step's one kernel call with its arguments, the
@@ -31,8 +36,11 @@ Run it alone: two CPU engines at once slow each other down.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 
 from matrix import parse_method
@@ -161,6 +169,53 @@ def planning_rows(label: str, batch: int, steps: int, planning: dict[str, list[f
             for name, seconds in planning.items() if seconds]
 
 
+def rounds_rows(results: list[dict]) -> list[str]:
+    """Markdown rows over rounds: per batch size and method, each round's median us per
+    step of everything timed (the runner methods and the plugin's other hooks) and their
+    median; then the first method's ratio to each other one, round by round (each ratio of
+    two engines run one after the other) and its median. ``results``: the children's rows,
+    each with ``round``, ``label``, ``batch`` and ``all_us``."""
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    batches = list(dict.fromkeys(r["batch"] for r in results))
+    cells = {(r["label"], r["batch"], r["round"]): r["all_us"] for r in results}
+    rounds = sorted({r["round"] for r in results})
+    rows = ["| method | batch | all, us per step, by round | median |", "|---|---|---|---|"]
+    for batch in batches:
+        for label in labels:
+            values = [cells[label, batch, n] for n in rounds if (label, batch, n) in cells]
+            rows.append(f"| {label} | {batch} | {', '.join(f'{v:.0f}' for v in values)} | "
+                        f"{statistics.median(values):.0f} |")
+    first, others = labels[0], labels[1:]
+    if others:
+        rows += ["", "| ratio | batch | by round | median |", "|---|---|---|---|"]
+        for batch in batches:
+            for other in others:
+                ratios = [cells[first, batch, n] / cells[other, batch, n] for n in rounds
+                          if (first, batch, n) in cells and (other, batch, n) in cells]
+                rows.append(f"| {first} / {other} | {batch} | {', '.join(f'{q:.2f}' for q in ratios)} | "
+                            f"{statistics.median(ratios):.2f} |")
+    return rows
+
+
+def run_rounds(argv: list[str], methods: list[str], rounds: int) -> None:
+    """Each method in a child process of its own, in turn, ``rounds`` times; then :func:`rounds_rows`."""
+    import subprocess
+
+    print("| method | batch | steps | median us per step (_update_states + propose_draft_token_ids) "
+          "| the plugin's other hooks | all |")
+    print("|---|---|---|---|---|---|", flush=True)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for number in range(rounds):
+            for method in methods:
+                out = os.path.join(scratch, f"{number}-{len(results)}.jsonl")
+                subprocess.run([sys.executable, __file__, *argv, "--method", method, "--results", out], check=True)
+                with open(out) as rows:
+                    results += [dict(json.loads(line), round=number) for line in rows]
+    if rounds > 1:
+        print("", *rounds_rows(results), sep="\n", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="fafo,ngram,suffix", help="comma-separated, as benchmarks/matrix.py's")
@@ -170,17 +225,16 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true",
                         help="also time each runner method apart (every method) and the parts of the plugin's step "
                              "(PARTS; its methods only)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the methods in turn this many times, then print each round's medians and the "
+                             "first method's ratio to the others by round")
     parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
+    parser.add_argument("--results", help=argparse.SUPPRESS)  # where the child writes its rows (JSON lines)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.method is None:
-        import subprocess
-        import sys
-
-        print("| method | batch | steps | median us per step (_update_states + propose_draft_token_ids) "
-              "| the plugin's other hooks | all |")
-        print("|---|---|---|---|---|---|")
-        for method in args.methods.split(","):
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method], check=True)
+        run_rounds(sys.argv[1:], args.methods.split(","), args.rounds)
         return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process
     label, spec = parse_method(args.method)
@@ -214,9 +268,13 @@ def main() -> None:
         steps = min(len(times[name]) for name in times)
         per_step = [sum(times[name][i] for name in TIMED) for i in range(steps)]
         hooks = times["hooks"][:steps]
-        print(f"| {label} | {batch} | {steps} | {1e6 * statistics.median(per_step):.0f} "
-              f"| {1e6 * statistics.median(hooks):.0f} "
-              f"| {1e6 * statistics.median(a + b for a, b in zip(per_step, hooks)):.0f} |", flush=True)
+        medians = {"methods_us": 1e6 * statistics.median(per_step), "hooks_us": 1e6 * statistics.median(hooks),
+                   "all_us": 1e6 * statistics.median(a + b for a, b in zip(per_step, hooks))}
+        print(f"| {label} | {batch} | {steps} | {medians['methods_us']:.0f} | {medians['hooks_us']:.0f} "
+              f"| {medians['all_us']:.0f} |", flush=True)
+        if args.results:
+            with open(args.results, "a") as out:
+                out.write(json.dumps({"label": label, "batch": batch, "steps": steps, **medians}) + "\n")
         if args.parts:
             part_rows += [part_row(label, batch, f"GPUModelRunner.{name}", times[name][:steps]) for name in TIMED]
         part_rows += parts_rows(label, batch, parts) if parts else []

@@ -530,6 +530,30 @@ def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
     assert all(callable(getattr(runner_patch, name)) for name in host_time.PATCH_WORK)
 
 
+def test_host_time_rounds_show_each_round_and_the_ratio_by_round(monkeypatch):
+    """``host_time.py --rounds``: each method's medians round by round, and the first method's
+    ratio to each other one taken within a round (a round missing a cell is left out of it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    host_time = benchmark_script("host_time")
+    cell = lambda n, label, batch, us: {"round": n, "label": label, "batch": batch, "all_us": us}
+    results = [cell(0, "fafo", 8, 200.0), cell(0, "ngram", 8, 250.0), cell(0, "fafo", 32, 330.0),
+               cell(0, "ngram", 32, 300.0), cell(1, "fafo", 8, 220.0), cell(1, "ngram", 8, 200.0),
+               cell(1, "fafo", 32, 300.0), cell(2, "fafo", 8, 210.0), cell(2, "ngram", 8, 300.0)]
+    assert host_time.rounds_rows(results) == [
+        "| method | batch | all, us per step, by round | median |",
+        "|---|---|---|---|",
+        "| fafo | 8 | 200, 220, 210 | 210 |",
+        "| ngram | 8 | 250, 200, 300 | 250 |",
+        "| fafo | 32 | 330, 300 | 315 |",
+        "| ngram | 32 | 300 | 300 |",
+        "",
+        "| ratio | batch | by round | median |",
+        "|---|---|---|---|",
+        "| fafo / ngram | 8 | 0.80, 1.10, 0.70 | 0.80 |",
+        "| fafo / ngram | 32 | 1.10 | 1.10 |",
+    ]
+
+
 def test_cold_calls_times_each_call_warm_and_cold(monkeypatch):
     """``cold_calls.py``: a row per call, warm and cold times in us, the kernels' arguments
     as many as named (a kernel taking 8 arrays reads the first)."""

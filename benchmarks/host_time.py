@@ -15,6 +15,7 @@ methods' time together, of the other hooks' and of all of it, in
 microseconds, and the steps' count.
 
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
+    python benchmarks/host_time.py --methods fafo,ngram --method 'fafo-pool={"method":"fafo","num_lanes":0}'
 
 ``--rounds N`` runs the methods in turn N times (one engine per method and round) and
 then prints, per batch size, each method's medians round by round and the ratio of the
@@ -67,7 +68,8 @@ PLANNING_PARTS = (
     ("vllm_fafo.control.goodput", "GoodputController", "choose_lanes"),
 )
 """``--parts``: the lanes' planning before the forward (the largest of the other hooks on CPU,
-where lanes run: their planning runs while they are parked), each nested in the one above it."""
+with lanes asked for: their planning runs while the goodput controller keeps them parked), each
+nested in the one above it."""
 
 
 def timed(original, seconds: list[float]):
@@ -209,7 +211,8 @@ def run_rounds(argv: list[str], methods: list[str], rounds: int) -> None:
         for number in range(rounds):
             for method in methods:
                 out = os.path.join(scratch, f"{number}-{len(results)}.jsonl")
-                subprocess.run([sys.executable, __file__, *argv, "--method", method, "--results", out], check=True)
+                subprocess.run([sys.executable, __file__, *argv, "--child-method", method, "--results", out],
+                               check=True)
                 with open(out) as rows:
                     results += [dict(json.loads(line), round=number) for line in rows]
     if rounds > 1:
@@ -228,16 +231,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the methods in turn this many times, then print each round's medians and the "
                              "first method's ratio to the others by round")
-    parser.add_argument("--method", help=argparse.SUPPRESS)  # one method, in a child process
+    parser.add_argument("--method", action="append", default=[],
+                        help="one more method as LABEL=JSON (a speculative config; repeatable), as matrix.py's")
+    parser.add_argument("--child-method", help=argparse.SUPPRESS)  # one method, in a child process
     parser.add_argument("--results", help=argparse.SUPPRESS)  # where the child writes its rows (JSON lines)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
-    if args.method is None:
-        run_rounds(sys.argv[1:], args.methods.split(","), args.rounds)
+    if args.child_method is None:
+        methods = [m for m in args.methods.split(",") if m] + args.method
+        for method in methods:
+            parse_method(method)  # an unknown one fails before any engine starts
+        run_rounds(sys.argv[1:], methods, args.rounds)
         return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process
-    label, spec = parse_method(args.method)
+    label, spec = parse_method(args.child_method)
     from vllm import LLM, SamplingParams
 
     from vllm_fafo.patches import apply_all

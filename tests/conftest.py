@@ -123,7 +123,7 @@ def engine(model_dir, request):
             spec = {k: request.getfixturevalue("frozen_table_path") if v is FROZEN_TABLE else v
                     for k, v in CONFIGS[name].items()}
             llm = make_llm(model_dir, spec, **ENGINE_OVERRIDES.get(name, {}))
-            if name == "default":
+            if name == "goodput-lanes":
                 # On a CPU the controller's first lane probe waits until its cost curve has
                 # forgotten the prefill's size (lanes could not pay at the yield it assumes
                 # before any ran); judged at 1.0 instead, it runs 16 decode steps in, so the
@@ -139,15 +139,16 @@ def engine(model_dir, request):
 def mixed_run(engine, workload):
     """``mixed_run(name)``: what configuration ``name``'s engine made of the mixed call
     (run once, on first use; sampled requests only for tests/engine_configs.py's ``SAMPLED``)."""
-    from .engine_configs import CONFIGS, SAMPLED
+    from .engine_configs import CONFIGS, SAMPLED, WORKLOAD_ORDER
     from .mixed_workload import run_mixed
 
+    assert sorted(WORKLOAD_ORDER) == sorted(CONFIGS), "every engine configuration needs a place in WORKLOAD_ORDER"
     runs = {}
 
     def get(name: str):
         if name not in runs:
             samples = ENGINE_SAMPLES if name in SAMPLED else 0
-            seed0 = 10_000 * (1 + sorted(CONFIGS).index(name))
+            seed0 = 10_000 * (1 + WORKLOAD_ORDER.index(name))
             runs[name] = run_mixed(engine(name), workload(seed0, samples))
         return runs[name]
 

@@ -27,8 +27,13 @@ the goodput controller."""
 FROZEN_TABLE = object()
 """Stands for the path of the Cacheback frozen table the session builds."""
 
+GOODPUT_LANES_SPEC = {"method": "fafo", "num_lanes": 16}
+"""Lanes asked for, the goodput controller deciding each step whether they run (the CPU
+default until 2026-12-05): they go on when it probes them and off again."""
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {"method": "fafo"},
+    "goodput-lanes": GOODPUT_LANES_SPEC,
     "lanes": LANES_SPEC,
     "pool-tree": POOL_TREE_SPEC,
     "tree": TREE_SPEC,
@@ -42,6 +47,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 """name -> speculative_config. Quest's and SnapKV's budgets are well below the prompts'
 lengths, so every policy has to choose."""
+
+WORKLOAD_ORDER = ("cacheback", "chunked-prefill", "default", "lanes", "lookahead", "pool-tree", "quest", "snapkv",
+                  "tree", "goodput-lanes")
+"""Each configuration's mixed workload is seeded by its place here (tests/conftest.py's
+``mixed_run``): a configuration added goes at the end, so that the others keep their
+prompts and sampled requests."""
 
 ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {
     "chunked-prefill": {"max_num_batched_tokens": 32, "max_num_seqs": 4},

@@ -154,7 +154,7 @@ def test_matrix_step_cost_on_a_random_weight_shape(tmp_path, model_dir):
     out = tmp_path / "shape"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--shape", "tiny",
-        "--methods", "none", "--method", 'fafo={"method":"fafo","controller":"fixed"}',
+        "--methods", "none", "--method", 'fafo={"method":"fafo","controller":"fixed","num_lanes":16}',
         "--num-prompts", "2", "--max-tokens", "16",
         "--max-model-len", "1024", "--kv-cache-mib", "64", "--out", str(out),
     ]

@@ -200,10 +200,11 @@ def test_lanes_on_cuda_select_the_custom_backend(model_dir, monkeypatch):
 
 
 def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_dir, monkeypatch):
-    """Lanes force eager mode and drafts of varying length make steps vLLM runs piecewise:
-    on CUDA the default is pool only with padded 16-token drafts under the fixed controller;
-    keys set by the user keep their values, and so do the others' CPU defaults where the
-    user asks for lanes or a draft tree; the goodput controller asked for picks a padded tier per step."""
+    """Drafts of varying length make steps vLLM runs piecewise: on CUDA the default is pool
+    only (as on CPU: lanes are asked for by name) with padded 16-token drafts under the fixed
+    controller, keeping vLLM's execution (no eager mode, its attention backend); keys set by
+    the user keep their values, and so do the others' CPU defaults where the user asks for
+    lanes or a draft tree; the goodput controller asked for picks a padded tier per step."""
     from vllm_fafo.config import ADDITIONAL_CONFIG_KEY
     from vllm_fafo.patches import engine_args
 
@@ -217,7 +218,9 @@ def test_cuda_defaults_are_pool_only_padded_drafts_unless_asked_otherwise(model_
     def knobs(fafo: dict) -> tuple:
         return fafo["num_lanes"], fafo["controller"], fafo["num_speculative_tokens"], fafo["pad_drafts"]
 
-    assert knobs(translated("cpu", {"method": "fafo"})[1]) == (16, "goodput", 16, False)
+    cpu_args, cpu = translated("cpu", {"method": "fafo"})
+    assert knobs(cpu) == (0, "goodput", 16, False)
+    assert not cpu_args.enforce_eager and cpu_args.attention_backend is None
     args, fafo = translated("cuda", {"method": "fafo"})
     assert knobs(fafo) == (0, "fixed", 16, True)
     assert args.speculative_config["num_speculative_tokens"] == 16
@@ -270,7 +273,7 @@ def test_cpu_defaults_are_logged_too(model_dir):
                                           "num_speculative_tokens": 4, "pad_drafts": False}):
             engine_args.translate_speculative_config(EngineArgs(model=model_dir, speculative_config=spec))
     assert [m for m in messages if m.startswith("vllm-fafo: CPU defaults")] == [
-        "vllm-fafo: CPU defaults num_lanes=16, controller='goodput', num_speculative_tokens=16, "
+        "vllm-fafo: CPU defaults controller='goodput', num_speculative_tokens=16, "
         "pad_drafts=False; set these keys to override"]  # the second sets every platform key itself
 
 

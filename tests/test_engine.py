@@ -71,13 +71,20 @@ def _accepted(run, origin: str) -> int:
     return run.metrics_after["accepted_tokens"][origin] - run.metrics_before["accepted_tokens"][origin]
 
 
-def test_default_runs_the_goodput_controller_and_reports_what_it_learned(mixed_run):
+def test_default_runs_the_goodput_controller_without_lanes_and_reports_what_it_learned(mixed_run):
     run = mixed_run("default")
     controller = run.metrics_after["controller"]
     assert controller["controller"] == "goodput"
-    assert run.grew("tail_tokens") > 0  # lanes ran when the controller probed them
+    assert run.metrics_after["requests_with_region"] == 0 and run.grew("tail_tokens") == 0  # pool only
     assert len(controller["cost_curve_tokens"]) >= 2  # prefill and decode sizes at least
     assert all(ms > 0 for ms in controller["cost_curve_ms"])
+    assert sum(_accepted(run, origin) for origin in run.metrics_after["accepted_tokens"]) > 0
+
+
+def test_goodput_controller_runs_lanes_asked_for_when_it_probes_them(mixed_run):
+    run = mixed_run("goodput-lanes")
+    assert run.metrics_after["controller"]["controller"] == "goodput"
+    assert run.grew("tail_tokens") > 0  # lanes ran when the controller probed them
     # Regions skip upkeep while lanes are off and are read back from the paged cache when
     # lanes run again: the engine's first lane probe (judged at a yield of 1.0, 16 decode
     # steps in, see conftest's ``engine``) did that.

@@ -55,9 +55,16 @@ class FafoConfig:
     pool and its tenant's shared one held with 8 each (docs/results/host-time.md)."""
     seed_from_prompt: bool = True
     """Seed the pool with the prompt's n-grams at prefill."""
-    num_lanes: int = 16
+    num_lanes: int = 0
     """Fumble lanes per request (0: pool only). Lanes guess future n-grams
-    on the compressed KV in the verification forward pass (FAFO Sec. 4.2)."""
+    on the compressed KV in the verification forward pass (FAFO Sec. 4.2).
+    Off unless asked for, on every platform: lanes change each step's token count, so an
+    engine with lanes runs eager (on an H100 an eager step with lanes cost more than lanes
+    earned: 15.9 ms against 4.6 ms pool-only at batch 1, docs/results/gpu.md "GPU
+    figures"); on the 2-core CPUs measured, the goodput controller kept 16 lanes parked
+    (their tokens never paid), and parked they still cost: the proposer's host time per
+    step 1.20x-1.25x pool-only's at batch 1-32, a region of KV cache per request
+    (docs/results/host-time.md)."""
     lane_len: int = 6
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"
@@ -314,13 +321,8 @@ class RegionSpec:
         )
 
 
-PLATFORM_KEYS = ("num_lanes", "controller", "num_speculative_tokens", "pad_drafts")
+PLATFORM_KEYS = ("controller", "num_speculative_tokens", "pad_drafts")
 """Keys whose default depends on the platform (docs/configuration.md "Platform defaults")."""
-
-CUDA_DEFAULTS: dict[str, Any] = {"num_lanes": 0}
-"""Lanes change every step's token count, so an engine with lanes runs eager; on an H100 an
-eager step with lanes cost more than lanes earned (SmolLM2 bf16, batch 1: 15.9 ms per step
-against 4.6 ms pool-only; docs/results/gpu.md "GPU figures")."""
 
 CUDA_PADDED_DEFAULTS: dict[str, Any] = {"controller": "fixed", "num_speculative_tokens": 16, "pad_drafts": True}
 """Without lanes, a draft tree or the goodput controller asked for: drafts of varying length
@@ -336,20 +338,20 @@ MAX_GRAPH_TOKENS_HOPPER = 512
 
 def platform_defaults(asked: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
     """The platform's defaults of :data:`PLATFORM_KEYS` that ``asked`` (the user's keys, as
-    field names) does not set. CPU: the dataclass's (goodput controller, 16 lanes, drafts
-    up to 16). CUDA: no lanes, and padded drafts unless lanes or a draft tree are asked
-    for (then the others keep the CPU defaults): 16 tokens under the fixed controller,
+    field names) does not set. CPU: the dataclass's (goodput controller, drafts up to 16).
+    CUDA: padded drafts unless lanes or a draft tree are asked for (then none: the
+    dataclass's, as on CPU): 16 tokens under the fixed controller,
     or, where the goodput controller is asked for, the tier it picks per step (0, 4, 8
     or 16 tokens for the whole batch). The goodput controller becomes the CUDA default
     once a GPU run shows its tiers level with the fixed 16 at batch 1 and ahead of it
     from batch 8 on (not measured yet)."""
     if not on_cuda:
         return {key: getattr(FafoConfig, key) for key in PLATFORM_KEYS if key not in asked}
-    defaults = dict(CUDA_DEFAULTS)
-    if asked.get("num_lanes", 0) == 0 and asked.get("num_candidates", 1) == 1:
-        defaults |= CUDA_PADDED_DEFAULTS
-        if asked.get("controller", "fixed") != "fixed":
-            del defaults["controller"]
+    if asked.get("num_lanes", 0) != 0 or asked.get("num_candidates", 1) != 1:
+        return {}
+    defaults = dict(CUDA_PADDED_DEFAULTS)
+    if asked.get("controller", "fixed") != "fixed":
+        del defaults["controller"]
     return {key: value for key, value in defaults.items() if key not in asked}
 
 

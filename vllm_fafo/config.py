@@ -61,10 +61,11 @@ class FafoConfig:
     Off unless asked for, on every platform: lanes change each step's token count, so an
     engine with lanes runs eager (on an H100 an eager step with lanes cost more than lanes
     earned: 15.9 ms against 4.6 ms pool-only at batch 1, docs/results/gpu.md "GPU
-    figures"); on the 2-core CPUs measured, the goodput controller kept 16 lanes parked
-    (their tokens never paid), and parked they still cost: the proposer's host time per
-    step 1.20x-1.25x pool-only's at batch 1-32, a region of KV cache per request
-    (docs/results/host-time.md)."""
+    figures"); on the 2-core CPU measured the goodput controller kept 16 lanes parked at
+    batch 1, 8 and 32 (their tokens did not pay at its price per token), and parked they
+    still cost: the proposer's host time per step 1.20x-1.25x pool-only's, the lane
+    attention wrapper in every layer, a region of KV cache per request; without them the
+    engine made 1.05x-1.06x the tokens/s at the same tau (docs/results/host-time.md)."""
     lane_len: int = 6
     """Tokens per lane; the n-grams lanes file have this length."""
     compression: str = "streaming"

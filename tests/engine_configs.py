@@ -32,27 +32,23 @@ GOODPUT_LANES_SPEC = {"method": "fafo", "num_lanes": 16}
 default until 2026-12-05): they go on when it probes them and off again."""
 
 CONFIGS: dict[str, dict[str, Any]] = {
+    "cacheback": {"method": "cacheback", "frozen_table": FROZEN_TABLE, "num_candidates": 4},
+    "chunked-prefill": LANES_SPEC,
     "default": {"method": "fafo"},
-    "goodput-lanes": GOODPUT_LANES_SPEC,
     "lanes": LANES_SPEC,
+    "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6, "num_candidates": 4},
     "pool-tree": POOL_TREE_SPEC,
-    "tree": TREE_SPEC,
     "quest": {**LANES_SPEC, "compression": "quest", "kv_budget": 96, "quest_page_size": 16,
               "quest_recent_tokens": 32, "quest_refresh_steps": 2},
     "snapkv": {**LANES_SPEC, "compression": "snapkv", "kv_budget": 64, "snapkv_window": 16,
                "snapkv_recent_tokens": 24},
-    "lookahead": {"method": "lookahead", "window": 6, "ngram": 4, "guesses": 6, "num_candidates": 4},
-    "cacheback": {"method": "cacheback", "frozen_table": FROZEN_TABLE, "num_candidates": 4},
-    "chunked-prefill": LANES_SPEC,
+    "tree": TREE_SPEC,
+    "goodput-lanes": GOODPUT_LANES_SPEC,
 }
 """name -> speculative_config. Quest's and SnapKV's budgets are well below the prompts'
-lengths, so every policy has to choose."""
-
-WORKLOAD_ORDER = ("cacheback", "chunked-prefill", "default", "lanes", "lookahead", "pool-tree", "quest", "snapkv",
-                  "tree", "goodput-lanes")
-"""Each configuration's mixed workload is seeded by its place here (tests/conftest.py's
-``mixed_run``): a configuration added goes at the end, so that the others keep their
-prompts and sampled requests."""
+lengths, so every policy has to choose. Each configuration's mixed workload is seeded by
+its place here (tests/conftest.py's ``mixed_run``): a configuration added goes at the
+end, so that the others keep their prompts and sampled requests."""
 
 ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {
     "chunked-prefill": {"max_num_batched_tokens": 32, "max_num_seqs": 4},

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from vllm_fafo.control import kernels
-from vllm_fafo.control.goodput import GoodputController
-from vllm_fafo.control.kernels import C_ASK_MAX_LANES, C_ASK_REQUESTS
+from vllm_fafo.control.goodput import GoodputController, StepCostModel
+from vllm_fafo.control.kernels import C_ASK_MAX_LANES, C_ASK_REQUESTS, C_DRAFTS_CUT, C_SAMPLED_STEPS
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
-from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED
+from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED, SAMPLED_DRAFTS
 from vllm_fafo.proposer import FafoProposer, pad_drafts
 from vllm_fafo.step_arrays import same_or_new
 
@@ -43,8 +43,14 @@ class SeparateKernels(FafoProposer):
         if learns:
             controller.yields.observe_counts(lane_tokens, lane_accepted, int(accepted.sum()) - lane_accepted,
                                              len(slots))
+        stride, phase = 1, 0  # the requests that draft (SAMPLED_DRAFTS)
+        if len(slots) > SAMPLED_DRAFTS and controller.control[C_DRAFTS_CUT]:
+            stride = -(-len(slots) // SAMPLED_DRAFTS)
+            phase = int(controller.control[C_SAMPLED_STEPS]) % stride
+            controller.control[C_SAMPLED_STEPS] += 1
         found = self.index.draft_batch(slots, self._table.owners, self._table.prompt_len, self._table.next_anchor,
-                                       token_ids, rows, num_tokens, self.controller.draft_room(), self.max_model_len)
+                                       token_ids, rows, num_tokens, self.controller.draft_room(), self.max_model_len,
+                                       self._table.draft_len, stride, phase)
         lengths, matched, key_lens = self.judge.judge(slots, rows, num_tokens, token_ids)
         if learns:
             yields, none = controller.yields, np.zeros(0, dtype=np.int64)
@@ -167,6 +173,69 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         np.testing.assert_allclose(ours.yields.totals, theirs.yields.totals, **same)
         assert ours.yields.totals[2] > 0
         assert (ours.last.draft_len, ours.last.mean_draft_len) == (theirs.last.draft_len, theirs.last.mean_draft_len)
+
+
+def test_where_the_controller_cuts_drafts_only_a_sample_of_the_batch_finds_them(monkeypatch):
+    """20 requests, first on a machine where a step's seconds grow faster than its tokens
+    (the controller cuts every draft found), then where every step costs the same (it keeps
+    drafts again once the dear steps' prices are forgotten: after 24 steps here): the fused
+    kernel and the separate calls give the same drafts, judge queue and draft yields every
+    step. While the controller cuts, a step finds drafts only for the requests whose draft
+    it kept last step and every third request (SAMPLED_DRAFTS of 20: a stride of 3), a
+    different third each step, and the yields go on learning from them; once steps cost the
+    same, most requests' drafts are kept again."""
+    monkeypatch.setattr(StepCostModel, "forget_after", 24)
+    requests = 20
+    fused = make_proposer(max_model_len=512, controller="goodput", num_speculative_tokens=6)
+    separate = make_proposer(max_model_len=512, controller="goodput", num_speculative_tokens=6)
+    separate.__class__ = SeparateKernels
+    rng = np.random.default_rng(9)
+    history = np.stack([repetitive_text(512, rng) for _ in range(requests)])
+    num_tokens = rng.integers(40, 80, size=requests).astype(np.int32)
+    now = [0.0]
+    for proposer in (fused, separate):
+        proposer.clock = lambda: now[0]
+    req_ids, rows = [f"r{row}" for row in range(requests)], list(range(requests))
+    slot_rows = {fused._table.slot_of.get(req_id): row for row, req_id in enumerate(req_ids)}
+    drafts, scheduled = [[] for _ in rows], {}
+    stride = -(-requests // SAMPLED_DRAFTS)
+    trials_at, phases, sampled_at = {}, set(), {}
+    for step in range(40):
+        dear = step < 20
+        sampled = sampled_tokens(history, num_tokens, rows, drafts)
+        tokens = requests + sum(map(len, drafts))
+        new = dict.fromkeys(req_ids) if step == 0 else {}
+        kept_before = {row for row, draft in enumerate(drafts) if draft}
+        sampled_before = fused.controller.last.sampled_steps
+        results = []
+        for proposer in (fused, separate):
+            proposer.begin_step([], tokens, scheduled, new)
+            now[0] += 1e-4 * tokens ** 1.5 if dear else 0.01
+            proposer.finish_forward(req_ids, None)
+            results.append(proposer.propose(sampled, num_tokens[rows], history[rows]))
+        assert results[0] == results[1], f"step {step}"
+        np.testing.assert_array_equal(fused.judge._table[: len(fused.judge)],
+                                      separate.judge._table[: len(separate.judge)], err_msg=f"step {step}")
+        assert fused.controller.last.sampled_steps == separate.controller.last.sampled_steps, f"step {step}"
+        sampled_at[step] = fused.controller.last.sampled_steps > sampled_before
+        if step == 0:
+            slot_rows = {fused._table.slot_of[req_id]: row for row, req_id in enumerate(req_ids)}
+        # the drafts this step found, queued whole for the judge (from the text's end)
+        found_rows = {slot_rows[slot] for slot, start in fused.judge._table[: len(fused.judge), :2].tolist()
+                      if start == num_tokens[slot_rows[slot]]}
+        if sampled_at[step]:
+            phase = (fused.controller.last.sampled_steps - 1) % stride
+            assert found_rows <= kept_before | {row for row in rows if row % stride == phase}, f"step {step}"
+            assert found_rows - kept_before or not dear, f"step {step}"  # the sample found drafts
+            phases.add(phase)
+        trials_at[step] = fused.controller.yields.position_trials.sum()
+        drafts = results[0]
+        scheduled = {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
+    assert sum(sampled_at[step] for step in range(2, 20)) >= 16 and phases == set(range(stride))
+    assert trials_at[19] > trials_at[5]  # the yields still learn from the sample
+    assert sum(map(bool, drafts)) > requests / 2  # steps cost the same: most requests' drafts kept again
+    np.testing.assert_allclose(fused.controller.yields.position_trials, separate.controller.yields.position_trials,
+                               rtol=1e-12, atol=0)
 
 
 def test_same_or_new_keeps_the_held_tuple_only_while_it_holds_the_same_objects():

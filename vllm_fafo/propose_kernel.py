@@ -25,10 +25,12 @@ from vllm_fafo.control.kernels import (
     C_DRAFT_LEN,
     C_DRAFT_REQUESTS,
     C_DRAFT_TOTAL,
+    C_DRAFTS_CUT,
     C_LANE_LEN,
     C_LANES,
     C_PROBE_ANYWAY,
     C_PROBE_DUE,
+    C_SAMPLED_STEPS,
     choose_draft_lengths,
     choose_lanes,
     count_totals,
@@ -48,6 +50,15 @@ goodput controller chooses, keep them as found (nothing learned yet, or the fixe
 controller), neither, leaving the cut and the keeping to the caller (the goodput
 controller's tiers under ``pad_drafts``), or pad each to its whole room and keep it
 (the fixed controller under ``pad_drafts``: the CUDA defaults)."""
+SAMPLED_DRAFTS = 8
+"""Where the goodput controller's last choice cut drafts found (their tokens cost more than
+they earn: on the 2-core CPU at batch 32 it keeps about one request's draft in ten) and the
+batch has more requests than this, a step finds drafts only for the requests whose draft it
+kept last step and for this many others, every stride-th request from a phase that moves
+each step; the rest file their n-grams and draft nothing. A request that starts to match
+is found within the stride's steps; a choice that keeps every token found ends it. Finding
+the drafts that would be cut was most of the step's kernel at batch 32
+(docs/results/host-time.md)."""
 
 
 @njit(cache=True)
@@ -84,7 +95,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
 
     1. file their new n-grams and draft up to the controller's room (:func:`~vllm_fafo.control.kernels.draft_room`;
        :func:`~vllm_fafo.drafting.step_kernel.file_and_draft`, ``index`` and ``outputs``:
-       :meth:`DraftIndex.kernel_arguments`);
+       :meth:`DraftIndex.kernel_arguments`): every request, or where the last choice cut
+       drafts, the requests :data:`SAMPLED_DRAFTS` says;
     2. where the controller learns (``learning``'s first entry) and the step had tokens, the
        cost curve of its kind (the tree steps', the lane steps', the plain steps' of
        ``curves``: :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`) observes it;
@@ -99,8 +111,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     6. as the mode (:data:`LENGTHS_CHOSEN` ...) says: cut them to the lengths the
        controller chooses (``choice``, the step priced by the plain steps' curve, or the
        lane steps' where no plain step is on it, and the lane steps' where this step ran
-       lanes: :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), noting the longest
-       and their sum, or pad them (:func:`pad_found_drafts`), and keep them for settling
+       lanes: :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), noting the longest,
+       their sum and whether it cut any, or pad them (:func:`pad_found_drafts`), and keep them for settling
        next step (:func:`~vllm_fafo.request_table.keep_drafts`);
     7. where the last lane question asked for lanes (and the drafts are kept here), ask the
        next step's as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`): its
@@ -130,11 +142,18 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         if slots[i] >= len(index_of_slot):
             return ROOM_JUDGE, 0, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
         num_tokens[i] = num_tokens_no_spec[rows[i]]
+    draft_stride, draft_phase = 1, 0
+    if count > SAMPLED_DRAFTS and control[C_DRAFTS_CUT] != 0:
+        draft_stride = (count + SAMPLED_DRAFTS - 1) // SAMPLED_DRAFTS
+        draft_phase = control[C_SAMPLED_STEPS] % draft_stride
     status, num_keys = file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens,
                                       slots, prompt_lens, next_anchors, owners, max_draft, max_len, ngram_len,
-                                      seed_from_output, drafts, origins, found_lens, key_lens, scratch, context)
+                                      seed_from_output, drafts, origins, found_lens, key_lens, scratch, context,
+                                      draft_len, draft_stride, draft_phase)
     if status != ROOM_OK:
         return status, num_keys, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
+    if draft_stride > 1:
+        control[C_SAMPLED_STEPS] += 1
     if learn and tokens >= 1:  # a step of no tokens prices nothing
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
@@ -166,6 +185,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
                                key_lens[:count])
     if mode == LENGTHS_CHOSEN:
         lengths = np.empty(count, dtype=np.int64)
+        found_total = found_lens[:count].sum()
         longest, total = choose_draft_lengths(trials, hits, reach_overall, reach_by_row, True, row_of_key_len,
                                               worth_share, key_lens[:count], found_lens[:count], plain,
                                               plain_count, lanes, lane_points if lanes_on else 0, step_tokens,
@@ -173,8 +193,11 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         for i in range(count):
             found_lens[i] = min(found_lens[i], lengths[i])
         control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = longest, total, count
+        control[C_DRAFTS_CUT] = total < found_total
     elif mode == LENGTHS_PADDED:
         pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
+    if mode != LENGTHS_CHOSEN:
+        control[C_DRAFTS_CUT] = 0
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)

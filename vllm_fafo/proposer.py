@@ -750,9 +750,11 @@ class FafoProposer:
             summary = self.controller.summary()
             logger.info(
                 "vllm-fafo %s controller: lanes per request %d (of %d), draft length up to %d (of %d), "
-                "mean %.2f%s%s",
+                "mean %.2f%s%s%s",
                 summary["controller"], summary["lanes"], self.config.num_lanes, summary["draft_len"],
                 self.num_speculative_tokens, summary.get("mean_draft_len", summary["draft_len"]),
+                "" if "sampled_draft_steps" not in summary else
+                f", drafts found for a sample of the batch in {summary['sampled_draft_steps']} steps",
                 "" if not self.tree_enabled or "tree_tokens" not in summary else
                 f", branch tokens {summary['tree_tokens']} in the batch",
                 "" if "lane_yield" not in summary else

@@ -62,10 +62,12 @@ from vllm_fafo.control.kernels import (
     C_DRAFT_LEN,
     C_DRAFT_REQUESTS,
     C_DRAFT_TOTAL,
+    C_DRAFTS_CUT,
     C_LANE_LEN,
     C_LANES,
     C_MAX_DRAFT,
     C_PROBE_ANYWAY,
+    C_SAMPLED_STEPS,
     CONTROL_SIZE,
     MIN_DRAFT_ROOM,
 )
@@ -489,6 +491,12 @@ class Decision:
         """The draft lengths chosen last, on average per request."""
         return int(self.control[C_DRAFT_TOTAL]) / int(self.control[C_DRAFT_REQUESTS])
 
+    @property
+    def sampled_steps(self) -> int:
+        """Steps whose drafts were found for a sample of the batch, the last choice having
+        cut drafts found (:data:`~vllm_fafo.propose_kernel.SAMPLED_DRAFTS`)."""
+        return int(self.control[C_SAMPLED_STEPS])
+
     def chose(self, longest: int, total: int, requests: int) -> None:
         """Draft lengths were chosen: ``longest`` the longest, ``total`` their sum over ``requests``."""
         self.control[C_DRAFT_LEN:C_DRAFT_REQUESTS + 1] = longest, total, requests
@@ -690,6 +698,7 @@ class GoodputController:
         lanes_on = self.last.lanes > 0  # this step ran lanes: the next is priced as a step with lanes
         plain = self._plain_cost()
         if not len(available) or not (lanes_on or plain.has_data):
+            self.control[C_DRAFTS_CUT] = 0
             return available
         key_lens = self._spine_key_lens = kernels.as_int64(key_lens)
         yields, lane_curve = self.yields, self.lane_cost
@@ -700,6 +709,7 @@ class GoodputController:
             self._worth_share, key_lens, available, plain.fitted, plain.num_points, lane_curve.fitted,
             lane_curve.num_points if lanes_on else 0, step_tokens, lengths)
         self.last.chose(longest, total, len(lengths))
+        self.control[C_DRAFTS_CUT] = total < available.sum()
         return lengths
 
     def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
@@ -827,6 +837,7 @@ class GoodputController:
             "lanes": self.last.lanes,
             "draft_len": self.last.draft_len,
             "mean_draft_len": round(self.last.mean_draft_len, 3),
+            "sampled_draft_steps": self.last.sampled_steps,
             "tree_tokens": self.last.tree_tokens,
             "lane_cost_curve_tokens": self.lane_cost.curve()[0].round(1).tolist(),
             "lane_cost_curve_ms": (1000 * self.lane_cost.curve()[1]).round(3).tolist(),

@@ -289,14 +289,16 @@ def choose_lane_count(options: np.ndarray, lane_len: int, lane_requests: int, re
 
 
 (C_LANES, C_ASK_REQUESTS, C_ASK_DECODING, C_ASK_MAX_LANES, C_PROBE_DUE, C_PROBE_ANYWAY, C_DRAFT_LEN, C_DRAFT_TOTAL,
- C_DRAFT_REQUESTS, C_MAX_DRAFT, C_LANE_LEN, CONTROL_SIZE) = range(12)
+ C_DRAFT_REQUESTS, C_DRAFTS_CUT, C_SAMPLED_STEPS, C_MAX_DRAFT, C_LANE_LEN, CONTROL_SIZE) = range(14)
 """The entries of a controller's ``control`` array (int64), which the step's kernel reads and
 writes in place, so that no Python runs for the controller around it: the lanes per
 request this step, the last lane question (requests with lanes, decoding requests, most
 lanes; zeros: none asked) and the probe's state for the next (due, run anyway), which
 :meth:`~vllm_fafo.control.goodput.GoodputController.choose_lanes` writes in one (in this
-order); the draft lengths chosen last (the longest, their sum, the requests), which the
-kernel writes; then the controller's settings (``num_speculative_tokens``, the lanes' length)."""
+order); the draft lengths chosen last (the longest, their sum, the requests), whether that
+choice cut drafts found (1) or kept every token found (0), and the steps whose drafts were
+found for a sample of the batch (:data:`~vllm_fafo.propose_kernel.SAMPLED_DRAFTS`), which
+the kernel writes; then the controller's settings (``num_speculative_tokens``, the lanes' length)."""
 
 MIN_DRAFT_ROOM = 4
 """The shortest room the goodput controller asks drafts to be found in

@@ -141,7 +141,8 @@ class DraftIndex:
 
     def draft_batch(self, slots: np.ndarray, owners: np.ndarray, prompt_lens: np.ndarray, next_anchors: np.ndarray,
                     history: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, max_draft: int,
-                    max_len: int) -> BatchDrafts:
+                    max_len: int, kept_lens: np.ndarray | None = None, draft_stride: int = 1,
+                    draft_phase: int = 0) -> BatchDrafts:
         """File what each request's text ``history[rows[i], :num_tokens[i]]`` completed
         into its pool and draft up to ``min(max_draft, max_len - num_tokens[i])`` tokens:
         the deep match of its text's end, chained on from its pool, else its pool's
@@ -149,10 +150,14 @@ class DraftIndex:
         are entry ``slots[i]`` of ``owners`` (its ids, :meth:`owners`), ``prompt_lens`` and
         ``next_anchors`` (the first position whose n-gram it has not filed, advanced in
         place): tables by slot, as the proposer's :class:`~vllm_fafo.request_table.RequestTable`
-        keeps them (int64). One kernel call
+        keeps them (int64). With ``draft_stride`` above 1 only the requests whose
+        ``kept_lens`` entry (by slot) is not 0 and every ``draft_stride``-th from
+        ``draft_phase`` draft; the others file only. One kernel call
         (:func:`~vllm_fafo.drafting.step_kernel.file_and_draft`), which first checks that
         everything it may add fits (the arrays grow here, outside it, where not). The
         drafts are views of buffers the next call reuses."""
+        if kept_lens is None:
+            kept_lens = np.zeros(len(owners), dtype=np.int64)
         for _ in range(4):  # each shortage is made good once
             index, outputs = self.kernel_arguments(max_len)
             tokens, origins, lengths, key_lens, context = outputs
@@ -160,7 +165,7 @@ class DraftIndex:
             status, num_keys = step_kernel.file_and_draft(
                 st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
                 next_anchors, owners, max_draft, max_len, ngram_len, seeded, tokens, origins, lengths, key_lens,
-                scratch, context)
+                scratch, context, kept_lens, draft_stride, draft_phase)
             if status == step_kernel.ROOM_OK:
                 break
             self.make_room(status, num_keys, owners[slots], num_tokens, max_draft, max_len)

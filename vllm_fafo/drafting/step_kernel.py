@@ -155,7 +155,7 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
 @njit(cache=True)
 def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, rows, num_tokens, slots, prompt_lens,
                    next_anchors, owners, max_draft, max_len, ngram_len, seed_from_output, drafts, origins,
-                   draft_lens, key_lens, scratch, context):
+                   draft_lens, key_lens, scratch, context, kept_lens, draft_stride, draft_phase):
     """One step's filing and drafting for every decoding request, in row order (the
     Python proposer's loop). Request i's numbers are entry ``s = slots[i]`` of
     ``owners``, ``prompt_lens`` and ``next_anchors`` (tables by slot), its text the first
@@ -173,7 +173,11 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
     Writes rows ``:len(rows)`` of ``drafts``, ``origins``, ``draft_lens``, ``key_lens`` (the
     deep match's depth, else the first piece's key, 0
     for the prior table's) and advances ``next_anchors``. ``context``: int32 room for
-    ``MATCH_DEPTH`` + twice the keys and the outputs' width. Returns :data:`ROOM_OK`,
+    ``MATCH_DEPTH`` + twice the keys and the outputs' width. Every request files; it drafts
+    where its entry of ``kept_lens`` (by slot: its draft kept last step) is not 0, or it is
+    every ``draft_stride``-th from request ``draft_phase`` (below the stride) on, else its
+    draft is empty (:data:`~vllm_fafo.propose_kernel.SAMPLED_DRAFTS`; stride 1: every
+    request drafts). Returns :data:`ROOM_OK`,
     or, having changed nothing, what lacks room (:func:`_room`), with the keys the step
     files (the arena's room to make for :data:`ROOM_POOLS`)."""
     max_key = st[ST_CFG][CFG_MAX_KEY]
@@ -206,7 +210,8 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
             file_candidate(st, pool, tag, hist, k0, end, hist, end, end + ngram_len, origin)
-        room = min(max_draft, max_len - n_tok)
+        drafts_now = kept_lens[s] > 0 or (i + draft_stride - draft_phase) % draft_stride == 0
+        room = min(max_draft, max_len - n_tok) if drafts_now else 0
         length = 0
         first_key = 0
         first = True

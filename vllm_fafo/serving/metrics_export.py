@@ -80,6 +80,9 @@ CONTROLLER_GAUGES: dict[str, str] = {
     "lanes": "Fumble lanes per request the controller chose last.",
     "draft_len": "Longest draft the controller allows now.",
     "mean_draft_len": "Mean draft length the controller chose last step (goodput controller).",
+    "sampled_draft_steps": "Steps whose drafts were found for a sample of the batch, the controller having "
+                           "cut drafts found the step before (goodput controller; a count since the engine "
+                           "started).",
     "lane_yield": "Accepted tokens per lane token, decayed average (goodput controller).",
     "tokens_per_request": "Tokens per request-step without lanes, decayed average (goodput controller).",
     "tree_tokens": "Draft-tree branch tokens the controller kept for the next step, all requests (goodput controller).",

@@ -52,7 +52,7 @@ controller's tiers under ``pad_drafts``), or pad each to its whole room and keep
 (the fixed controller under ``pad_drafts``: the CUDA defaults)."""
 SAMPLED_DRAFTS = 8
 """Where the goodput controller's last choice cut drafts found (their tokens cost more than
-they earn: on the 2-core CPU at batch 32 it keeps about one request's draft in ten) and the
+they earn: on the 2-core CPU at batch 32 it kept a mean of 0.0-1.4 tokens per request) and the
 batch has more requests than this, a step finds drafts only for the requests whose draft it
 kept last step and for this many others, every stride-th request from a phase that moves
 each step; the rest file their n-grams and draft nothing. A request that starts to match

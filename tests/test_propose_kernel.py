@@ -196,10 +196,9 @@ def test_where_the_controller_cuts_drafts_only_a_sample_of_the_batch_finds_them(
     for proposer in (fused, separate):
         proposer.clock = lambda: now[0]
     req_ids, rows = [f"r{row}" for row in range(requests)], list(range(requests))
-    slot_rows = {fused._table.slot_of.get(req_id): row for row, req_id in enumerate(req_ids)}
     drafts, scheduled = [[] for _ in rows], {}
     stride = -(-requests // SAMPLED_DRAFTS)
-    trials_at, phases, sampled_at = {}, set(), {}
+    trials_at, phases, sampled_at, slot_rows = {}, set(), {}, {}
     for step in range(40):
         dear = step < 20
         sampled = sampled_tokens(history, num_tokens, rows, drafts)

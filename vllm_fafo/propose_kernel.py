@@ -152,7 +152,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
                                       draft_len, draft_stride, draft_phase)
     if status != ROOM_OK:
         return status, num_keys, judge_count, LENGTHS_FOUND, 0, 0, (-1, 0, False)
-    if draft_stride > 1:
+    if draft_stride > 1:  # counted once the step ran (a step short of room runs again, in the same phase)
         control[C_SAMPLED_STEPS] += 1
     if learn and tokens >= 1:  # a step of no tokens prices nothing
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
@@ -183,6 +183,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         stale[0], stale[1] = mode != LENGTHS_CHOSEN, 1  # choose_draft_lengths refreshes the draft reach
     judge_count = queue_drafts(judge_table, judge_count, slots, num_tokens, drafts, found_lens[:count],
                                key_lens[:count])
+    cut = False
     if mode == LENGTHS_CHOSEN:
         lengths = np.empty(count, dtype=np.int64)
         found_total = found_lens[:count].sum()
@@ -193,11 +194,10 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         for i in range(count):
             found_lens[i] = min(found_lens[i], lengths[i])
         control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = longest, total, count
-        control[C_DRAFTS_CUT] = total < found_total
+        cut = total < found_total
     elif mode == LENGTHS_PADDED:
         pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
-    if mode != LENGTHS_CHOSEN:
-        control[C_DRAFTS_CUT] = 0
+    control[C_DRAFTS_CUT] = cut
     if mode != LENGTHS_LATER:
         keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
                     draft_counts)

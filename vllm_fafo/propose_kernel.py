@@ -186,15 +186,14 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     cut = False
     if mode == LENGTHS_CHOSEN:
         lengths = np.empty(count, dtype=np.int64)
-        found_total = found_lens[:count].sum()
         longest, total = choose_draft_lengths(trials, hits, reach_overall, reach_by_row, True, row_of_key_len,
                                               worth_share, key_lens[:count], found_lens[:count], plain,
                                               plain_count, lanes, lane_points if lanes_on else 0, step_tokens,
                                               lengths)
-        for i in range(count):
-            found_lens[i] = min(found_lens[i], lengths[i])
+        for i in range(count):  # a chosen length is at most the length found
+            if lengths[i] < found_lens[i]:
+                found_lens[i], cut = lengths[i], True
         control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = longest, total, count
-        cut = total < found_total
     elif mode == LENGTHS_PADDED:
         pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
     control[C_DRAFTS_CUT] = cut

@@ -36,6 +36,11 @@ for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kerne
     assert getattr(step_kernel, f"ORIGIN_{_name}") == ORIGIN_CODE[Origin[_name]], _name
 
 
+_NO_KEPT_LENS = np.zeros(0, dtype=np.int64)
+""":meth:`DraftIndex.draft_batch`'s ``kept_lens`` where every request drafts (the kernel reads
+it only with a stride above 1)."""
+
+
 class BatchDrafts(NamedTuple):
     """One step's drafts, row ``i`` for the ``i``-th request asked for."""
 
@@ -157,7 +162,9 @@ class DraftIndex:
         everything it may add fits (the arrays grow here, outside it, where not). The
         drafts are views of buffers the next call reuses."""
         if kept_lens is None:
-            kept_lens = np.zeros(len(owners), dtype=np.int64)
+            if draft_stride > 1:
+                raise ValueError(f"draft_batch: a draft_stride of {draft_stride} needs kept_lens (by slot)")
+            kept_lens = _NO_KEPT_LENS  # read only where the stride is above 1
         for _ in range(4):  # each shortage is made good once
             index, outputs = self.kernel_arguments(max_len)
             tokens, origins, lengths, key_lens, context = outputs

@@ -210,7 +210,7 @@ def file_and_draft(st, frozen, frozen_owner, prior, prior_lens, texts, history, 
             origin = ORIGIN_PROMPT if anchor + ngram_len < prompt_lens[s] else ORIGIN_OUTPUT
             k0 = max(0, end - max_key)
             file_candidate(st, pool, tag, hist, k0, end, hist, end, end + ngram_len, origin)
-        drafts_now = (i + draft_stride - draft_phase) % draft_stride == 0 or kept_lens[s] > 0
+        drafts_now = i % draft_stride == draft_phase or kept_lens[s] > 0
         room = min(max_draft, max_len - n_tok) if drafts_now else 0
         length = 0
         first_key = 0

@@ -57,7 +57,6 @@ PARTS = (
     ("vllm_fafo.proposer", "FafoProposer", "propose"),
     ("vllm_fafo.proposer", "FafoProposer", "_run_step_kernel"),
     ("vllm_fafo.proposer", "FafoProposer", "_publish_and_log"),
-    ("vllm_fafo.control.goodput", "GoodputController", "choose_tier"),
 )
 """``--parts``: (module, class, method) of what FAFO's ``propose`` calls, and itself (first)."""
 PLANNING_PARTS = (

@@ -785,7 +785,7 @@ def simulate_tiers(cost: Callable[[int, int], float], requests: int, accept: flo
     key_lens = np.full(requests, MAX_KEY_LEN)
     for _ in range(steps):
         tier = fixed_tier if fixed_tier is not None else controller.choose_tier(
-            requests, key_lens, np.full(requests, 16), TIERS)
+            requests, key_lens, np.full(requests, 16))
         chosen.append(tier)
         runs = np.minimum(rng.geometric(1 - accept, requests) - 1, 16)  # the text matches this much of each draft
         accepted = np.minimum(runs, tier)
@@ -876,6 +876,60 @@ def test_kernels_choose_and_count_as_the_numpy_code_they_replaced():
         count_chains(trials, hits, rows, lengths, accepted)
         np.testing.assert_array_equal(trials, expected_trials)
         np.testing.assert_array_equal(hits, expected_hits)
+
+
+def choose_tier_reference(controller: GoodputController, step_tokens: int, key_lens: np.ndarray,
+                          available: np.ndarray) -> int:
+    """The tier as numpy chose it before the kernel (the reference): the gains of each tier
+    from the found tokens' worth, the seconds from its own curve, else the dearest shorter
+    tier's, else the plain curve's price of its tokens."""
+    tiers, requests, plain = controller.tiers, len(available), controller._plain_cost()
+    if not requests or not plain.has_data:
+        return int(tiers[-1])
+    reach = controller.yields.reach_probability(key_lens)
+    matched = np.minimum(key_lens, len(controller._worth_share) - 1)
+    worth = np.where(np.arange(controller.max_draft) < available[:, None], reach * controller._worth_share[matched],
+                     0.0)
+    gains = requests + np.concatenate([[0.0], np.cumsum(worth.sum(axis=0))])[tiers]
+    seconds, shorter = np.zeros(len(tiers)), 0.0
+    for i, tier in enumerate(tiers.tolist()):
+        costs = controller.tier_cost[tier]
+        if costs.has_data:
+            seconds[i] = float(costs.predict(requests))
+            shorter = max(shorter, seconds[i])
+        else:
+            seconds[i] = shorter or float(plain.predict(step_tokens + requests * tier))
+    return int(tiers[int((gains / seconds).argmax())])
+
+
+def test_the_tier_kernel_chooses_as_the_numpy_code_it_replaced():
+    """choose_tier against the numpy code it replaced: controllers that learned random
+    drafts' yields, some tiers' costs (at random batch sizes) and the plain curve's, asked
+    for random batches' found drafts and key lengths; and where nothing is priced, the
+    longest tier."""
+    rng = np.random.default_rng(11)
+    max_draft, max_key_len = 16, 23
+    chosen = set()
+    for case in range(200):
+        controller = GoodputController(LANE_LEN, max_draft, max_key_len)
+        for _ in range(int(rng.integers(1, 6))):
+            lengths = rng.integers(0, max_draft + 1, 30)
+            controller.observe(StepOutcome(
+                tokens=int(rng.integers(1, 400)), seconds=float(rng.uniform(0.005, 0.05)), lane_tokens=0,
+                lane_accepted=0, text_accepted=0, decoding_requests=30, draft_lengths=lengths,
+                accepted_lengths=np.minimum(lengths, rng.geometric(0.3, 30) - 1),
+                key_lens=rng.integers(0, max_key_len + 1, 30),
+                uniform_draft_len=int(rng.choice([-1, *controller.tiers.tolist()]))))
+        requests = int(rng.integers(0, 40))
+        key_lens = rng.integers(0, max_key_len + 1, requests)
+        available = rng.integers(0, max_draft + 1, requests)
+        step_tokens = int(rng.integers(requests, 2 * requests + 1))
+        expected = choose_tier_reference(controller, step_tokens, key_lens, available)
+        assert controller.choose_tier(step_tokens, key_lens, available) == expected, f"case {case}"
+        assert controller.last.draft_len == expected
+        chosen.add(expected)
+    assert chosen == set(controller.tiers.tolist())  # every tier was chosen in some case
+    assert GoodputController(LANE_LEN, max_draft, max_key_len).choose_tier(4, np.zeros(2), np.ones(2)) == max_draft
 
 
 def cost_curve_reference(observations, weight, stale_after, forget_after):

@@ -9,14 +9,28 @@ import torch
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController, StepCostModel
 from vllm_fafo.control.kernels import C_ASK_MAX_LANES, C_ASK_REQUESTS, C_DRAFTS_CUT, C_SAMPLED_STEPS
+from vllm_fafo.drafting.index import BatchDrafts
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
-from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED, SAMPLED_DRAFTS
-from vllm_fafo.proposer import FafoProposer, pad_drafts
+from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED, LENGTHS_TIER, SAMPLED_DRAFTS
+from vllm_fafo.proposer import FafoProposer
 from vllm_fafo.step_arrays import same_or_new
 
 from .test_proposer import make_proposer
 
 LANE_CODE = ORIGIN_CODE[Origin.LANE]
+
+
+def pad_drafts(drafts: BatchDrafts, rooms: np.ndarray, last_tokens: np.ndarray) -> None:
+    """The padding as numpy did it before the step's kernel (the reference): fill each draft
+    up to its room by repeating its last token (the text's, where it is empty), the filler
+    of origin ``pad``, in place."""
+    tokens, lengths = drafts.tokens, drafts.lengths
+    rows = np.arange(len(lengths))
+    last = np.where(lengths > 0, tokens[rows, np.maximum(lengths - 1, 0)], last_tokens)
+    filler = (np.arange(tokens.shape[1]) >= lengths[:, None]) & (np.arange(tokens.shape[1]) < rooms[:, None])
+    tokens[filler] = np.broadcast_to(last[:, None], tokens.shape)[filler]
+    drafts.origins[filler] = ORIGIN_CODE[Origin.PAD]
+    np.maximum(lengths, rooms, out=lengths)
 
 
 def _longest_and_shortest(lengths: np.ndarray) -> tuple[int, int]:
@@ -26,10 +40,11 @@ def _longest_and_shortest(lengths: np.ndarray) -> tuple[int, int]:
 class SeparateKernels(FafoProposer):
     """The step as the proposer ran it before :func:`propose_step`: each owner's public
     call in turn (the request table's settle and keep, the index's draft_batch, the
-    judge's judge and add, the controller's observe and choose_draft_lens)."""
+    judge's judge and add, the controller's observe, observe_tiers and choose_draft_lens or
+    choose_tier, the padding in numpy)."""
 
     def _run_step_kernel(self, numbers, num_tokens_no_spec, token_ids, branch_trials, tokens, seconds, lane_tokens,
-                         tree_tokens, step_tokens):
+                         tree_tokens, step_tokens, uniform_draft_len=-1):
         slots, rows, taken, won = numbers[:4]
         numbers[4] = num_tokens_no_spec[rows]
         num_tokens, accepted = numbers[4], numbers[5]
@@ -37,6 +52,7 @@ class SeparateKernels(FafoProposer):
         learns = isinstance(controller, GoodputController)
         if learns:
             controller._curve_of(lane_tokens, tree_tokens).observe(tokens, seconds)
+            controller.observe_tiers(uniform_draft_len, len(slots), seconds)
         lane_before = int(self.metrics.accepted_counts[LANE_CODE])
         self._table.settle(slots, taken, won, self.metrics, accepted)
         lane_accepted = int(self.metrics.accepted_counts[LANE_CODE]) - lane_before
@@ -59,7 +75,14 @@ class SeparateKernels(FafoProposer):
             kernels.observe_chains(yields.branch_trials, yields.branch_hits, yields.decay, yields._branch_rows, none,
                                    none, none)
         self.judge.add(slots, num_tokens, found.tokens, found.lengths, found.key_lens)
-        if self.config.pad_drafts:  # the fixed controller's: padded whole, by the Python padding
+        if self.config.pad_drafts and learns:  # the goodput controller's tier for the batch: cut and padded to it
+            tier = controller.choose_tier(step_tokens, found.key_lens, found.lengths)
+            rooms = np.minimum(tier, self.max_model_len - num_tokens)
+            np.minimum(found.lengths, rooms, out=found.lengths)
+            pad_drafts(found, rooms, token_ids[rows, num_tokens - 1])
+            self._table.keep(slots, found.origins, found.lengths, self.metrics)
+            return LENGTHS_TIER, *_longest_and_shortest(found.lengths)
+        if self.config.pad_drafts:  # the fixed controller's: padded whole
             pad_drafts(found, np.minimum(controller.draft_room(), self.max_model_len - num_tokens),
                        token_ids[rows, num_tokens - 1])
             self._table.keep(slots, found.origins, found.lengths, self.metrics)
@@ -99,8 +122,8 @@ def sampled_tokens(history: np.ndarray, num_tokens: np.ndarray, rows: list[int],
 
 
 @pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"},
-                                      {"controller": "fixed", "pad_drafts": True}],
-                         ids=["goodput", "deep-match-shared", "fixed", "fixed-padded"])
+                                      {"controller": "fixed", "pad_drafts": True}, {"pad_drafts": True}],
+                         ids=["goodput", "deep-match-shared", "fixed", "fixed-padded", "goodput-tiers"])
 def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     """Three requests (one joining late, one leaving early) over 40 steps of texts that
     repeat themselves, each step's sampled tokens the text's next ones (the draft's
@@ -173,6 +196,12 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
         np.testing.assert_allclose(ours.yields.totals, theirs.yields.totals, **same)
         assert ours.yields.totals[2] > 0
         assert (ours.last.draft_len, ours.last.mean_draft_len) == (theirs.last.draft_len, theirs.last.mean_draft_len)
+        if settings.get("pad_drafts"):  # each tier's cost, learned from its own uniform steps
+            priced = [tier for tier, costs in ours.tier_cost.items() if costs.has_data]
+            assert priced == [tier for tier, costs in theirs.tier_cost.items() if costs.has_data] and priced
+            for tier in priced:
+                np.testing.assert_allclose(ours.tier_cost[tier].curve(), theirs.tier_cost[tier].curve(), **same)
+            assert len(fused.metrics.padded_request_steps) > 1  # more than one tier chosen
 
 
 def test_where_the_controller_cuts_drafts_only_a_sample_of_the_batch_finds_them(monkeypatch):

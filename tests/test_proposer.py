@@ -125,24 +125,28 @@ def test_padded_drafts_are_num_speculative_tokens_long_found_tokens_first():
     assert metrics.proposed_tokens["prompt"] == 2
 
 
-def test_padded_drafts_under_the_goodput_controller_take_its_one_tier_for_the_batch(monkeypatch):
+def test_padded_drafts_under_the_goodput_controller_take_its_one_tier_for_the_batch():
     """``pad_drafts`` with the goodput controller: every request drafts the tier the
     controller chose (found tokens cut to it, the rest filler), and a uniform step of
-    that tier teaches the controller that tier's cost."""
+    that tier teaches the controller that tier's cost. Tier 4's steps are priced cheap,
+    0's and 8's dear, so the step's kernel chooses 4."""
     proposer = make_proposer(num_speculative_tokens=8, max_key_len=2, text_ngram_len=2, pad_drafts=True,
                              controller="goodput")
-    asked = []
-    monkeypatch.setattr(proposer.controller, "choose_tier",
-                        lambda step_tokens, key_lens, available, tiers: asked.append(
-                            (available.tolist(), tiers.tolist())) or 4)
+    controller = proposer.controller
+    assert controller.tiers.tolist() == [0, 4, 8]
+    controller.cost.observe(10, 1.0)
+    for tier, seconds in ((0, 1.0), (4, 0.01), (8, 100.0)):
+        controller.tier_cost[tier].observe(2, seconds)
     batch = FakeBatch()
     batch.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
     batch.add("b", [5, 6, 7, 8])
-    assert batch.step(proposer, [[3], [9]]) == [[4, 5, 6, 7], [9, 9, 9, 9]]
-    assert asked == [([8, 0], [0, 4, 8])]
-    assert proposer.controller.tier_cost == {}
+    assert batch.step(proposer, [[3], [9]]) == [[4, 5, 6, 7], [9, 9, 9, 9]]  # a's 8 found cut to 4, b's filler
+    assert controller.last.draft_len == 4 and proposer.metrics.padded_request_steps == {"4": 2}
+    priced = {tier: costs.curve()[1].tolist() for tier, costs in controller.tier_cost.items()}
+    assert priced == {0: [1.0], 4: [0.01], 8: [100.0]}  # the first step was no uniform decode batch
     batch.step(proposer, [[4, 5], [9]], num_scheduled_tokens=2 * (1 + 4))
-    assert list(proposer.controller.tier_cost) == [4] and proposer.controller.tier_cost[4].has_data
+    assert controller.tier_cost[4].curve()[1].tolist() != [0.01]  # the uniform step's seconds, at its 2 requests
+    assert {tier: controller.tier_cost[tier].curve()[1].tolist() for tier in (0, 8)} == {0: [1.0], 8: [100.0]}
 
 
 @pytest.mark.parametrize("num_scheduled_tokens, drafts, tail, expected", [

@@ -33,6 +33,7 @@ from vllm_fafo.control.kernels import (
     C_SAMPLED_STEPS,
     choose_draft_lengths,
     choose_lanes,
+    choose_tier,
     count_totals,
     draft_room,
     observe_chains,
@@ -44,12 +45,12 @@ from vllm_fafo.request_table import keep_drafts, settle_drafts
 ROOM_JUDGE = 4
 """The judge's table lacks room for this step's drafts, or its slot map for a slot
 (after :data:`~vllm_fafo.drafting.step_kernel.ROOM_OUTPUTS`): nothing was done."""
-LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_LATER, LENGTHS_PADDED = range(4)
+LENGTHS_CHOSEN, LENGTHS_FOUND, LENGTHS_TIER, LENGTHS_PADDED = range(4)
 """What :func:`propose_step` does with the drafts found: cut them to the lengths the
 goodput controller chooses, keep them as found (nothing learned yet, or the fixed
-controller), neither, leaving the cut and the keeping to the caller (the goodput
-controller's tiers under ``pad_drafts``), or pad each to its whole room and keep it
-(the fixed controller under ``pad_drafts``: the CUDA defaults)."""
+controller), cut and pad every one to the tier the goodput controller chooses for the
+batch (``pad_drafts``), or pad each to its whole room (the fixed controller under
+``pad_drafts``: the CUDA defaults); and keep them."""
 SAMPLED_DRAFTS = 8
 """Where the goodput controller's last choice cut drafts found (their tokens cost more than
 they earn: on the 2-core CPU at batch 32 it kept a mean of 0.0-1.4 tokens per request) and the
@@ -80,7 +81,7 @@ def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, or
 
 @njit(cache=True)
 def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count, judge_count, choose, tokens,
-                 seconds, lane_tokens, tree_tokens, step_tokens):
+                 seconds, lane_tokens, tree_tokens, step_tokens, uniform_draft_len):
     """One step for the ``count`` decoding requests in the first columns of ``batch``, rows
     (slots, batch rows, tokens vLLM took, where that is 0 the spine's tokens before a won
     branch (read nowhere else), then written here: text lengths, drafts accepted),
@@ -90,7 +91,9 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     tokens, tokens accepted). The arrays come first and stay the same objects step to step
     (the proposer calls it through :class:`~vllm_fafo.direct_call.DirectCall`). The step
     had ``tokens`` tokens (``lane_tokens`` and ``tree_tokens`` of them in its tail) and took
-    ``seconds``; the next has ``step_tokens`` before its drafts. The controller's numbers
+    ``seconds``; the next has ``step_tokens`` before its drafts; where every request decoded
+    ``uniform_draft_len`` drafts and nothing else ran (-1: not so, or drafts are not padded),
+    the step teaches that tier's cost. The controller's numbers
     are read from and written to its ``control`` array (``held.choice``; :data:`~vllm_fafo.control.kernels.C_LANES` ...).
 
     1. file their new n-grams and draft up to the controller's room (:func:`~vllm_fafo.control.kernels.draft_room`;
@@ -99,7 +102,9 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
        drafts, the requests :data:`SAMPLED_DRAFTS` says;
     2. where the controller learns (``learning``'s first entry) and the step had tokens, the
        cost curve of its kind (the tree steps', the lane steps', the plain steps' of
-       ``curves``: :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`) observes it;
+       ``curves``: :meth:`~vllm_fafo.control.goodput.StepCostModel.kernel_arrays`) observes it,
+       and a uniform step's tier's curve (``choice``'s last entry: the tiers and their curves,
+       :func:`~vllm_fafo.control.goodput.stacked_cost_models`) its seconds at its requests;
     3. settle what vLLM accepted of their last drafts (:func:`~vllm_fafo.request_table.settle_drafts`,
        ``table`` and ``counts``: :meth:`RequestTable.kernel_arguments`);
     4. judge the queued drafts their text now decides (:func:`~vllm_fafo.control.draft_judge.judge_drafts`,
@@ -112,9 +117,11 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
        controller chooses (``choice``, the step priced by the plain steps' curve, or the
        lane steps' where no plain step is on it, and the lane steps' where this step ran
        lanes: :func:`~vllm_fafo.control.kernels.choose_draft_lengths`), noting the longest,
-       their sum and whether it cut any, or pad them (:func:`pad_found_drafts`), and keep them for settling
-       next step (:func:`~vllm_fafo.request_table.keep_drafts`);
-    7. where the last lane question asked for lanes (and the drafts are kept here), ask the
+       their sum and whether it cut any; or cut and pad them to the tier it chooses
+       (:func:`~vllm_fafo.control.kernels.choose_tier`), noting it; or pad them
+       (:func:`pad_found_drafts`); and keep them for settling next step
+       (:func:`~vllm_fafo.request_table.keep_drafts`);
+    7. where the last lane question asked for lanes, ask the
        next step's as the lanes will (:func:`~vllm_fafo.control.kernels.choose_lanes`): its
        tokens the requests and their drafts, as many requests with lanes and most lanes as
        last asked. Asked between two forwards anyway, it saves the lanes' planning a cold call.
@@ -133,7 +140,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     (learn, trials, hits, draft_decay, row_of_key_len, branch_counts, branch_hits, branch_decay, branch_rows,
      totals, stale) = held.learning
     curves = held.curves
-    reach_overall, reach_by_row, worth_share, control = held.choice
+    reach_overall, reach_by_row, worth_share, control, (tiers, tier_steps, tier_updated, tier_points, tier_curves) = \
+        held.choice
     max_draft = draft_room(control)
 
     if judge_count + count > judge_table.shape[0]:
@@ -158,6 +166,10 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
         observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after, forget_after, curve)
+        for t in range(len(tiers)):  # a uniform step's own tier (GoodputController.observe_tiers)
+            if tiers[t] == uniform_draft_len and count > 0:
+                observe_cost(log_grid, tier_points[t], tier_updated[t], tier_steps[t], float(count), seconds, weight,
+                             stale_after, forget_after, tier_curves[t])
     plain_curve = 0 if curves[0][3][1] > 0 or curves[1][3][1] == 0 else 1  # GoodputController._plain_cost
     plain, plain_count = curves[plain_curve][7], curves[plain_curve][3][1]
     lanes, lane_points = curves[1][7], curves[1][3][1]
@@ -165,7 +177,7 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
     if not learn:
         mode = LENGTHS_FOUND if choose else LENGTHS_PADDED
     elif not choose:
-        mode = LENGTHS_LATER
+        mode = LENGTHS_TIER
     else:
         mode = LENGTHS_CHOSEN if count > 0 and (lanes_on or plain_count > 0) else LENGTHS_FOUND
     lane_before = accepted_counts[lane]
@@ -194,15 +206,22 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
             if lengths[i] < found_lens[i]:
                 found_lens[i], cut = lengths[i], True
         control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = longest, total, count
+    elif mode == LENGTHS_TIER:
+        tier = choose_tier(trials, hits, reach_overall, reach_by_row, row_of_key_len, worth_share, key_lens[:count],
+                           found_lens[:count], tiers, tier_steps, tier_curves, plain, plain_count, step_tokens)
+        stale[0] = 0  # choose_tier refreshed the draft reach
+        for i in range(count):  # the found tokens past the tier (or the text's room) are cut
+            found_lens[i] = min(found_lens[i], tier, max_len - num_tokens[i])
+        pad_found_drafts(history, rows, num_tokens, tier, max_len, pad, drafts, origins, found_lens[:count])
+        control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = tier, tier, 1
     elif mode == LENGTHS_PADDED:
         pad_found_drafts(history, rows, num_tokens, max_draft, max_len, pad, drafts, origins, found_lens[:count])
     control[C_DRAFTS_CUT] = cut
-    if mode != LENGTHS_LATER:
-        keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
-                    draft_counts)
+    keep_drafts(slots, origins[:count], found_lens[:count], draft_len, draft_origins, pad, proposed_counts,
+                draft_counts)
     asked_tokens, lanes_chosen, probed = -1, 0, False
     ask_requests, ask_max_lanes = control[C_ASK_REQUESTS], control[C_ASK_MAX_LANES]
-    if ask_requests > 0 and ask_max_lanes > 0 and mode != LENGTHS_LATER:
+    if ask_requests > 0 and ask_max_lanes > 0:
         asked_tokens = count + found_lens[:count].sum()
         lanes_chosen, probed = choose_lanes(totals, control[C_LANE_LEN], ask_requests, asked_tokens,
                                             control[C_ASK_DECODING], ask_max_lanes, plain, plain_count, lanes,

@@ -49,19 +49,19 @@ from vllm_fafo.attention.paged_kv import VERIFIED_CPU_ISAS, paged_kv_readable
 from vllm_fafo.config import FafoConfig, FafoConfigError, RegionSpec, fafo_settings
 from vllm_fafo.control import kernels as controller_kernels
 from vllm_fafo.control.draft_judge import DraftJudge
-from vllm_fafo.control.goodput import BranchSet, draft_tiers, make_controller
+from vllm_fafo.control.goodput import BranchSet, make_controller
 from vllm_fafo.direct_call import DirectCall
 from vllm_fafo.drafting.deep_match import MATCH_DEPTH, TenantTexts
 from vllm_fafo.drafting.frozen_table import load_table
-from vllm_fafo.drafting.index import BatchDrafts, DraftIndex, first_anchor, load_kernels
-from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin, RequestPool, file_each_in
+from vllm_fafo.drafting.index import DraftIndex, first_anchor, load_kernels
+from vllm_fafo.drafting.pool import Origin, RequestPool, file_each_in
 from vllm_fafo.drafting.prior_table import OFF as PRIOR_TABLE_OFF
 from vllm_fafo.drafting.prior_table import resolve as resolve_prior_table
 from vllm_fafo.drafting.shared_pool import TenantPools
 from vllm_fafo.lanes.planner import BatchView, FumbleLanes
 from vllm_fafo.lanes.step_plan import StepPlan
 from vllm_fafo.log import init_logger
-from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_LATER, LENGTHS_PADDED
+from vllm_fafo.propose_kernel import LENGTHS_CHOSEN, LENGTHS_PADDED, LENGTHS_TIER
 from vllm_fafo.request_table import RequestTable
 from vllm_fafo.request_table import load_kernels as request_table_kernels
 from vllm_fafo.serving.metrics import FafoMetrics
@@ -116,19 +116,6 @@ def longest_match(config: FafoConfig) -> int:
 def key_context(history: np.ndarray, num_tokens: int, max_key_len: int) -> list[int]:
     """The text's last ``max_key_len`` tokens: what pool keys and branches match against."""
     return history[max(0, num_tokens - max_key_len) : num_tokens].tolist()
-
-
-def pad_drafts(drafts: BatchDrafts, rooms: np.ndarray, last_tokens: np.ndarray) -> None:
-    """Fill each draft up to its room by repeating its last token (the text's, where it is
-    empty), with :attr:`Origin.PAD` for the filler (``pad_drafts``), in place. Lossless:
-    verification stops at the first token the target does not produce."""
-    tokens, lengths = drafts.tokens, drafts.lengths
-    rows = np.arange(len(lengths))
-    last = np.where(lengths > 0, tokens[rows, np.maximum(lengths - 1, 0)], last_tokens)
-    filler = (np.arange(tokens.shape[1]) >= lengths[:, None]) & (np.arange(tokens.shape[1]) < rooms[:, None])
-    tokens[filler] = np.broadcast_to(last[:, None], tokens.shape)[filler]
-    drafts.origins[filler] = ORIGIN_CODE[Origin.PAD]
-    np.maximum(lengths, rooms, out=lengths)
 
 
 @dataclass(slots=True)
@@ -213,8 +200,6 @@ class FafoProposer:
         self.metrics = FafoMetrics()
         self.controller = make_controller(self.config.controller, self.config.lane_len, self.num_speculative_tokens,
                                           longest_match(self.config))
-        self.draft_tiers = draft_tiers(self.num_speculative_tokens)
-        """The draft lengths a padded step may take (``pad_drafts``), ascending."""
         self.judge = DraftJudge(self.num_speculative_tokens)
         """Every found draft, judged against the text: what the controller learns draft yields from."""
         self.clock: Callable[[], float] = time.perf_counter
@@ -257,7 +242,7 @@ class FafoProposer:
         """The step kernel's arrays while no owner may have grown (None: gather them again)."""
         self._choose_lengths = not self.config.pad_drafts
         """Whether the step's kernel cuts the drafts to the controller's lengths (else it pads
-        them, or the goodput controller's tiers cut them after it: ``pad_drafts``)."""
+        them, to the goodput controller's tier or whole: ``pad_drafts``)."""
         self._numbers = np.zeros((6, 64), dtype=np.int64)
         self._row_numbers = np.arange(64, dtype=np.int64)
         self._batch_ids: list[str] | None = None
@@ -575,25 +560,18 @@ class FafoProposer:
         seconds = self.clock() - step.started
         if self._step_time is not None:
             seconds = self._step_time.share(seconds)
-        if self.config.pad_drafts:
-            self.controller.observe_tiers(_uniform_draft_len(step, count), count, seconds)
+        uniform_draft_len = _uniform_draft_len(step, count) if self.config.pad_drafts else -1
         mode, longest, shortest = self._run_step_kernel(numbers, num_tokens_no_spec, token_ids_cpu, step.branch_trials,
-                                                        tokens, seconds, lane_tokens, tree_tokens, step_tokens)
+                                                        tokens, seconds, lane_tokens, tree_tokens, step_tokens,
+                                                        uniform_draft_len)
         found = self.index.drafts(count)
         now = time.monotonic()
         if now >= self._next_report:
             self._publish_and_log(now)
         lengths = found.lengths
-        if mode == LENGTHS_LATER:  # every request the same tokens, one tier for the batch: a uniform decode batch
-            slots, decoding, num_tokens = numbers[0], numbers[1], numbers[4]
-            tier = self.controller.choose_tier(step_tokens, found.key_lens, found.lengths, self.draft_tiers)
-            rooms = np.minimum(tier, self.max_model_len - num_tokens)
-            np.minimum(found.lengths, rooms, out=found.lengths)
-            pad_drafts(found, rooms, token_ids_cpu[decoding, num_tokens - 1])
-            self.metrics.record_padded_step(tier, count)
-            table.keep(slots, found.origins, found.lengths, self.metrics)
-            longest, shortest = (int(lengths.max()), int(lengths.min())) if count else (0, 0)
-        elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole in the kernel
+        if mode == LENGTHS_TIER:  # every request the goodput controller's tier: a uniform decode batch
+            self.metrics.record_padded_step(self.controller.last.draft_len, count)
+        elif mode == LENGTHS_PADDED:  # the fixed controller's: padded whole
             self.metrics.record_padded_step(self.num_speculative_tokens, count)
         # cut, or padded (pad_drafts); the buffer's columns past the longest are never read
         found_drafts = found.tokens[:, :longest].tolist()
@@ -621,12 +599,13 @@ class FafoProposer:
 
     def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
                          branch_trials: list[tuple[int, int, int]], tokens: int, seconds: float, lane_tokens: int,
-                         tree_tokens: int, step_tokens: int) -> tuple[int, int, int]:
+                         tree_tokens: int, step_tokens: int, uniform_draft_len: int = -1) -> tuple[int, int, int]:
         """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
         index, the judge and the controller (which learns the step's ``branch_trials``, and
         that its ``tokens``, ``lane_tokens`` and ``tree_tokens`` of them in its tail, took
-        ``seconds``; the next step has ``step_tokens`` before its drafts), growing what it
+        ``seconds``; the next step has ``step_tokens`` before its drafts; a uniform step's
+        ``uniform_draft_len``, else -1), growing what it
         finds short; returns what it did with the drafts' lengths (the mode), and the longest
         and the shortest draft's length. ``numbers`` is :meth:`_batch_numbers`' view: the
         kernel is handed the buffer under it whole, with the batch's count."""
@@ -635,7 +614,8 @@ class FafoProposer:
         for _ in range(5):  # each shortage is made good once
             held = self._held if self._held is not None else self._hold_step_arrays()
             args = (self._numbers, num_tokens_no_spec, token_ids, held, trials, count, len(self.judge),
-                    self._choose_lengths, float(tokens), float(seconds), lane_tokens, tree_tokens, step_tokens)
+                    self._choose_lengths, float(tokens), float(seconds), lane_tokens, tree_tokens, step_tokens,
+                    uniform_draft_len)
             call = self._step_call  # past numba's dispatcher where the arrays stand (without a frame of its own)
             status, num_keys, queued, mode, longest, shortest, lane_answer = \
                 call.entry(*args) if all(map(operator.is_, args, call.arrays)) else call(*args)

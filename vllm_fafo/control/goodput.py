@@ -172,14 +172,16 @@ class StepCostModel:
     """Steps after which a point no longer counts at all: the curve is read from
     what the machine did lately, and an old expensive size gets tried again."""
 
-    def __init__(self) -> None:
-        self._steps = np.zeros(2, dtype=np.int64)
+    def __init__(self, storage: tuple[np.ndarray, ...] | None = None) -> None:
+        """``storage``: the model's four arrays (:func:`stacked_cost_models`' views), else its own."""
+        steps, updated_at, points, fitted = storage or _cost_model_arrays(1)
+        self._steps = steps.reshape(2)
         """The steps observed, then the points on the curve (written by the kernels)."""
-        self._updated_at = np.zeros(len(_GRID), dtype=np.int64)
-        self._points = np.zeros((3, len(_GRID)))
+        self._updated_at = updated_at.reshape(len(_GRID))
+        self._points = points.reshape(3, len(_GRID))
         """Each grid point's decayed mean tokens and seconds, and the samples behind it (up to
         the ``1 / weight`` its decay keeps; 0: never seen)."""
-        self.fitted = np.zeros((4, len(_GRID)))
+        self.fitted = fitted.reshape(4, len(_GRID))
         """The curve: recent points' tokens, fitted seconds (then the kernel's scratch)."""
         self._arrays = (_LOG_GRID, self._points, self._updated_at, self._steps, self.weight, self.stale_after,
                         self.forget_after, self.fitted)
@@ -222,6 +224,20 @@ class StepCostModel:
         out = np.empty(tokens.shape)
         kernels.prices(self.fitted, self.num_points, tokens.reshape(-1), out.reshape(-1), False)
         return out
+
+
+def _cost_model_arrays(count: int) -> tuple[np.ndarray, ...]:
+    """``count`` cost models' arrays, stacked (model first): steps, update stamps, points, curves."""
+    return (np.zeros((count, 2), dtype=np.int64), np.zeros((count, len(_GRID)), dtype=np.int64),
+            np.zeros((count, 3, len(_GRID))), np.zeros((count, 4, len(_GRID))))
+
+
+def stacked_cost_models(count: int) -> tuple[tuple[np.ndarray, ...], list[StepCostModel]]:
+    """``count`` cost models whose arrays are rows of four stacked arrays (steps, update stamps,
+    points, curves), returned with them: a kernel prices any of them by number
+    (:func:`~vllm_fafo.control.kernels.choose_tier`)."""
+    arrays = _cost_model_arrays(count)
+    return arrays, [StepCostModel(tuple(array[i] for array in arrays)) for i in range(count)]
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -518,7 +534,8 @@ class FixedController:
                           np.zeros(2, dtype=np.int64))
         curve = StepCostModel().kernel_arrays()  # never observed (learning's first entry says so)
         self._curves = (curve, curve, curve)
-        self._choice = (np.zeros(1), table, table, self.control)
+        tier_arrays, _ = stacked_cost_models(1)  # never asked (the kernel pads to max_draft)
+        self._choice = (np.zeros(1), table, table, self.control, (draft_tiers(max_draft)[-1:], *tier_arrays))
 
     def draft_room(self) -> int:
         """Drafts are found whole: ``max_draft`` tokens at most."""
@@ -537,9 +554,6 @@ class FixedController:
         return np.asarray(branches.lengths, dtype=np.int64)
 
     def observe(self, outcome: StepOutcome) -> None:
-        return None
-
-    def observe_tiers(self, uniform_draft_len: int, decoding_requests: int, seconds: float) -> None:
         return None
 
     def kernel_arguments(self) -> tuple[tuple, tuple, tuple]:
@@ -577,15 +591,17 @@ class GoodputController:
         """Seconds per step against tokens, of steps with draft-tree branches."""
         self.lane_cost = StepCostModel()
         """Seconds per step against tokens, of steps with lanes (and no branches)."""
-        self.tier_cost: dict[int, StepCostModel] = {}
+        self.tiers = draft_tiers(max_draft)
+        """The draft lengths a padded step may take (``pad_drafts``; :data:`DRAFT_TIERS`)."""
+        tier_arrays, tier_models = stacked_cost_models(len(self.tiers))
+        self.tier_cost: dict[int, StepCostModel] = dict(zip(self.tiers.tolist(), tier_models))
         """Seconds per uniform step against its decoding requests, by its draft length
         (:meth:`choose_tier`): on CUDA each tier is its own graphs, whose cost the
         token count alone does not tell (graph sizes are padded, attention differs)."""
         self._spine_key_lens = np.zeros(0, dtype=np.int64)
         """The key lengths :meth:`choose_draft_lens` chose this step's spines by, one per request."""
-        self._draft_positions = np.arange(max_draft)
         lengths = np.arange(max_key_len + 1)[:, None]
-        self._worth_share = np.where((lengths > 0) & (self._draft_positions >= DRAFT_PER_MATCHED_TOKEN * lengths),
+        self._worth_share = np.where((lengths > 0) & (np.arange(max_draft) >= DRAFT_PER_MATCHED_TOKEN * lengths),
                                      TAIL_WORTH, 1.0)
         """Share of its reach each draft position is worth, by matched key length (0: no match)."""
         self.control = control_array(max_draft, lane_len)
@@ -604,7 +620,7 @@ class GoodputController:
         learned anything after it."""
         self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
         """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
-        self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control)
+        self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control, (self.tiers, *tier_arrays))
         """What the step's kernel chooses draft lengths and the next lane question with."""
 
     # Decisions -----------------------------------------------------------------------
@@ -712,11 +728,12 @@ class GoodputController:
         self.control[C_DRAFTS_CUT] = total < available.sum()
         return lengths
 
-    def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray, tiers: np.ndarray) -> int:
-        """One draft length for every request of the next step, of ``tiers`` (ascending):
-        the one that maximises expected accepted tokens per second (``pad_drafts``: each
-        request's found draft, at most ``available``, is padded to it, so the step is a
-        uniform decode batch; :data:`DRAFT_TIERS` says why tiers).
+    def choose_tier(self, step_tokens: int, key_lens: np.ndarray, available: np.ndarray) -> int:
+        """One draft length for every request of the next step, of :attr:`tiers`: the one
+        that maximises expected accepted tokens per second (``pad_drafts``: each request's
+        found draft, at most ``available``, is padded to it, so the step is a uniform decode
+        batch; :data:`DRAFT_TIERS` says why tiers). The step's kernel chooses so itself
+        (:func:`~vllm_fafo.control.kernels.choose_tier`); this asks it from Python.
 
         A tier of t tokens yields the requests plus the worth of every request's found
         draft tokens up to t (as :meth:`choose_draft_lens` prices them; filler is worth
@@ -726,32 +743,13 @@ class GoodputController:
         tokens; a GPU below its knee charges nothing more), or where no shorter tier
         ran, the plain curve's price of its tokens. The longest tier before any step
         was priced."""
-        available = np.asarray(available, dtype=np.int64)
-        requests = len(available)
-        plain = self._plain_cost()
-        if not requests or not plain.has_data:
-            return self._chose_tier(int(tiers[-1]))
-        reach = self.yields.reach_probability(key_lens)
-        matched = np.minimum(np.asarray(key_lens, dtype=np.int64), len(self._worth_share) - 1)
-        worth = np.where(self._draft_positions < available[:, None], reach * self._worth_share[matched], 0.0)
-        gains = requests + np.concatenate([[0.0], np.cumsum(worth.sum(axis=0))])[tiers]
-        seconds = self._tier_seconds(tiers, requests, step_tokens)
-        return self._chose_tier(int(tiers[int((gains / seconds).argmax())]))
-
-    def _tier_seconds(self, tiers: np.ndarray, requests: int, step_tokens: int) -> np.ndarray:
-        """Seconds of a uniform step of each of ``tiers`` (ascending) at ``requests`` (:meth:`choose_tier`)."""
-        seconds = np.zeros(len(tiers))
-        shorter = 0.0  # the dearest shorter tier that ran lately
-        for i, tier in enumerate(tiers.tolist()):
-            costs = self.tier_cost.get(tier)
-            if costs is not None and costs.has_data:
-                seconds[i] = float(costs.predict(requests))
-                shorter = max(shorter, seconds[i])
-            else:
-                seconds[i] = shorter or float(self._plain_cost().predict(step_tokens + requests * tier))
-        return seconds
-
-    def _chose_tier(self, tier: int) -> int:
+        yields, plain = self.yields, self._plain_cost()
+        tiers, steps, _, _, curves = self._choice[4]
+        tier = kernels.choose_tier(yields.position_trials, yields.position_hits, *yields.reach_buffers(),
+                                   yields.row_of_key_len, self._worth_share, kernels.as_int64(key_lens),
+                                   kernels.as_int64(available), tiers, steps, curves, plain.fitted,
+                                   plain.num_points, step_tokens)
+        yields.stale[0] = 0  # the kernel refreshed the reach tables
         self.last.chose(tier, tier, 1)
         return tier
 
@@ -810,10 +808,10 @@ class GoodputController:
         return self.tree_cost if tree_tokens else self.lane_cost if lane_tokens else self.cost
 
     def observe_tiers(self, uniform_draft_len: int, decoding_requests: int, seconds: float) -> None:
-        """:meth:`observe`'s tier costs (``pad_drafts``; -1: not a uniform decode step)."""
-        if uniform_draft_len >= 0:
-            tier = self.tier_cost.setdefault(uniform_draft_len, StepCostModel())
-            tier.observe(decoding_requests, seconds)
+        """:meth:`observe`'s tier costs (``pad_drafts``; -1: not a uniform decode step; a
+        length that is not a tier prices nothing, as in the step's kernel)."""
+        if uniform_draft_len in self.tier_cost:
+            self.tier_cost[uniform_draft_len].observe(decoding_requests, seconds)
 
     def kernel_arguments(self) -> tuple[tuple, tuple, tuple]:
         """The learning, the cost curves and the choice of :func:`~vllm_fafo.propose_kernel.propose_step`,
@@ -851,7 +849,7 @@ class GoodputController:
             "cost_curve_ms": (1000 * seconds).round(3).tolist(),
             "tier_cost": {str(tier): {"requests": costs.curve()[0].round(1).tolist(),
                                       "ms": (1000 * costs.curve()[1]).round(3).tolist()}
-                          for tier, costs in sorted(self.tier_cost.items())},
+                          for tier, costs in self.tier_cost.items() if costs.has_data},
         }
 
 

@@ -427,6 +427,47 @@ def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np
     return longest, total
 
 
+
+@njit(cache=True, error_model="numpy")  # a tier priced at 0 s: a rate of inf, as numpy's division gives
+def choose_tier(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray, reach_by_row: np.ndarray,
+                row_of_key_len: np.ndarray, worth_share: np.ndarray, key_lens: np.ndarray, available: np.ndarray,
+                tiers: np.ndarray, tier_steps: np.ndarray, tier_curves: np.ndarray, plain: np.ndarray,
+                plain_count: int, step_tokens: int) -> int:
+    """The goodput controller's tier for the next step (``pad_drafts``;
+    :meth:`~vllm_fafo.control.goodput.GoodputController.choose_tier` says the rule), of
+    ``tiers`` (ascending), tier t's cost curve ``tier_curves[t]`` with ``tier_steps[t, 1]``
+    points; the reach tables brought up to date first (:func:`draft_reach`). Each request's
+    found tokens, up to ``available``, are worth their reach by its key length's row times
+    the worth share of its matched length; the tier's gain is the requests plus its
+    positions' worth, summed over requests position by position, then over positions."""
+    draft_reach(trials, hits, reach_overall, reach_by_row)
+    count = len(available)
+    if count == 0 or plain_count == 0:
+        return tiers[-1]
+    positions = reach_by_row.shape[1]
+    worth = np.zeros(positions + 1)  # worth[k + 1]: position k's, over the requests; then summed up to k
+    longest = len(row_of_key_len) - 1
+    for r in range(count):
+        row = row_of_key_len[min(key_lens[r], longest)]
+        matched = min(key_lens[r], worth_share.shape[0] - 1)
+        for k in range(min(available[r], positions)):
+            worth[k + 1] += reach_by_row[row, k] * worth_share[matched, k]
+    for k in range(positions):
+        worth[k + 1] += worth[k]
+    best, best_rate, shorter = 0, -np.inf, 0.0  # shorter: the dearest shorter tier that ran lately
+    for t in range(len(tiers)):
+        if tier_steps[t, 1] > 0:
+            seconds = _price(tier_curves[t, 0], tier_curves[t, 1], tier_steps[t, 1], float(count))
+            shorter = max(shorter, seconds)
+        elif shorter > 0.0:
+            seconds = shorter
+        else:
+            seconds = _price(plain[0], plain[1], plain_count, float(step_tokens + count * tiers[t]))
+        rate = (count + worth[tiers[t]]) / seconds
+        if rate > best_rate:
+            best, best_rate = t, rate
+    return tiers[best]
+
 def load_kernels() -> None:
     """Run every kernel once on small arrays of the step's types, so that numba loads
     them (on a new machine: compiles them) while the engine starts."""
@@ -453,3 +494,6 @@ def load_kernels() -> None:
     choose_draft_lengths(table, table.copy(), np.zeros(3), np.zeros((2, 3)), True, np.zeros(2, dtype=np.int64),
                          np.ones((2, 3)), index, np.ones(1, dtype=np.int64), curve, count, curve, 0, 1,
                          np.zeros(1, dtype=np.int64))
+    choose_tier(table, table.copy(), np.zeros(3), np.zeros((2, 3)), np.zeros(2, dtype=np.int64), np.ones((2, 3)), index,
+                np.ones(1, dtype=np.int64), np.arange(2, dtype=np.int64), np.zeros((2, 2), dtype=np.int64),
+                np.zeros((2, 4, 3)), curve, count, 1)

@@ -237,21 +237,28 @@ def key_full(st, s):
 @njit(cache=True, inline="always")
 def _file_under(st, s, tag, cand, c0, n, origin):
     """File a candidate under slot ``s``, tagged ``tag``: refresh it if held (its origin
-    and tag the new ones), else add it (evicting the least recently used candidate where
-    the key is full)."""
+    and tag the new ones; moved to the list's front, where it is found first when filed
+    again: the list's order is no ranking, stamps are), else add it (evicting the least
+    recently used candidate where the key is full)."""
     counters = st[ST_COUNTERS]
     counters[CNT_STAMP] += 1
     full = key_full(st, s)  # the oldest is evicted: find it
     e = st[ST_SLOTS][s, S_HEAD]
+    before = -1
     oldest, oldest_stamp = -1, np.int64(0)
     while e >= 0:
         if _same_entry(st, e, cand, c0, n):
             st[ST_STAMPS][e] = counters[CNT_STAMP]
             st[ST_ENTRIES][e, E_ORIGIN] = origin
             st[ST_ENTRIES][e, E_TAG] = tag
+            if before >= 0:
+                st[ST_ENTRIES][before, E_NEXT] = st[ST_ENTRIES][e, E_NEXT]
+                st[ST_ENTRIES][e, E_NEXT] = st[ST_SLOTS][s, S_HEAD]
+                st[ST_SLOTS][s, S_HEAD] = e
             return
         if full and (oldest < 0 or st[ST_STAMPS][e] < oldest_stamp):
             oldest, oldest_stamp = e, st[ST_STAMPS][e]
+        before = e
         e = st[ST_ENTRIES][e, E_NEXT]
     if full:
         e = oldest

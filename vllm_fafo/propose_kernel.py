@@ -166,8 +166,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
         observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after, forget_after, curve)
-        for t in range(len(tiers)):  # a uniform step's own tier (GoodputController.observe_tiers)
-            if tiers[t] == uniform_draft_len and count > 0:
+        for t in range(len(tiers) if count > 0 else 0):  # a uniform step's own tier (GoodputController.observe_tiers)
+            if tiers[t] == uniform_draft_len:
                 observe_cost(log_grid, tier_points[t], tier_updated[t], tier_steps[t], float(count), seconds, weight,
                              stale_after, forget_after, tier_curves[t])
     plain_curve = 0 if curves[0][3][1] > 0 or curves[1][3][1] == 0 else 1  # GoodputController._plain_cost

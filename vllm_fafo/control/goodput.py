@@ -744,10 +744,10 @@ class GoodputController:
         ran, the plain curve's price of its tokens. The longest tier before any step
         was priced."""
         yields, plain = self.yields, self._plain_cost()
-        tiers, steps, _, _, curves = self._choice[4]
+        _, steps, _, _, curves = self._choice[4]
         tier = kernels.choose_tier(yields.position_trials, yields.position_hits, *yields.reach_buffers(),
                                    yields.row_of_key_len, self._worth_share, kernels.as_int64(key_lens),
-                                   kernels.as_int64(available), tiers, steps, curves, plain.fitted,
+                                   kernels.as_int64(available), self.tiers, steps, curves, plain.fitted,
                                    plain.num_points, step_tokens)
         yields.stale[0] = 0  # the kernel refreshed the reach tables
         self.last.chose(tier, tier, 1)

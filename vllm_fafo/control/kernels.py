@@ -427,7 +427,6 @@ def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np
     return longest, total
 
 
-
 @njit(cache=True, error_model="numpy")  # a tier priced at 0 s: a rate of inf, as numpy's division gives
 def choose_tier(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray, reach_by_row: np.ndarray,
                 row_of_key_len: np.ndarray, worth_share: np.ndarray, key_lens: np.ndarray, available: np.ndarray,
@@ -467,6 +466,7 @@ def choose_tier(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
         if rate > best_rate:
             best, best_rate = t, rate
     return tiers[best]
+
 
 def load_kernels() -> None:
     """Run every kernel once on small arrays of the step's types, so that numba loads

@@ -64,19 +64,19 @@ the drafts that would be cut was most of the step's kernel at batch 32
 
 @njit(cache=True)
 def pad_found_drafts(history, rows, num_tokens, pad_to, max_len, pad, drafts, origins, lengths):
-    """Fill request i's draft up to ``min(pad_to, max_len - num_tokens[i])`` tokens by
-    repeating its last token (the text's, where it is empty), the filler's origin
-    ``pad``, in place (``pad_drafts``: every request of the step drafts as many tokens,
-    a uniform decode batch). Lossless: verification stops at the first token the target
-    does not produce."""
+    """Make request i's draft exactly ``min(pad_to, max_len - num_tokens[i])`` tokens: the
+    found tokens past that cut, the rest filled by repeating its last token (the text's,
+    where it is empty), the filler's origin ``pad``, in place (``pad_drafts``: every
+    request of the step drafts as many tokens, a uniform decode batch). Lossless:
+    verification stops at the first token the target does not produce."""
     for i in range(len(lengths)):
         room = min(pad_to, max_len - num_tokens[i])
-        found = lengths[i]
+        found = min(lengths[i], room)
         last = drafts[i, found - 1] if found > 0 else history[rows[i], num_tokens[i] - 1]
         for j in range(found, room):
             drafts[i, j] = last
             origins[i, j] = pad
-        lengths[i] = max(found, room)
+        lengths[i] = room
 
 
 @njit(cache=True)
@@ -166,8 +166,8 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         log_grid, points, updated_at, steps, weight, stale_after, forget_after, curve = \
             curves[2 if tree_tokens else 1 if lane_tokens else 0]
         observe_cost(log_grid, points, updated_at, steps, tokens, seconds, weight, stale_after, forget_after, curve)
-        for t in range(len(tiers) if count > 0 else 0):  # a uniform step's own tier (GoodputController.observe_tiers)
-            if tiers[t] == uniform_draft_len:
+        for t in range(len(tiers)):  # a uniform step's own tier (GoodputController.observe_tiers)
+            if tiers[t] == uniform_draft_len and count > 0:
                 observe_cost(log_grid, tier_points[t], tier_updated[t], tier_steps[t], float(count), seconds, weight,
                              stale_after, forget_after, tier_curves[t])
     plain_curve = 0 if curves[0][3][1] > 0 or curves[1][3][1] == 0 else 1  # GoodputController._plain_cost
@@ -210,8 +210,6 @@ def propose_step(batch, num_tokens_no_spec, history, held, branch_trials, count,
         tier = choose_tier(trials, hits, reach_overall, reach_by_row, row_of_key_len, worth_share, key_lens[:count],
                            found_lens[:count], tiers, tier_steps, tier_curves, plain, plain_count, step_tokens)
         stale[0] = 0  # choose_tier refreshed the draft reach
-        for i in range(count):  # the found tokens past the tier (or the text's room) are cut
-            found_lens[i] = min(found_lens[i], tier, max_len - num_tokens[i])
         pad_found_drafts(history, rows, num_tokens, tier, max_len, pad, drafts, origins, found_lens[:count])
         control[C_DRAFT_LEN], control[C_DRAFT_TOTAL], control[C_DRAFT_REQUESTS] = tier, tier, 1
     elif mode == LENGTHS_PADDED:

@@ -593,7 +593,7 @@ class GoodputController:
         """Seconds per step against tokens, of steps with lanes (and no branches)."""
         self.tiers = draft_tiers(max_draft)
         """The draft lengths a padded step may take (``pad_drafts``; :data:`DRAFT_TIERS`)."""
-        tier_arrays, tier_models = stacked_cost_models(len(self.tiers))
+        self._tier_arrays, tier_models = stacked_cost_models(len(self.tiers))
         self.tier_cost: dict[int, StepCostModel] = dict(zip(self.tiers.tolist(), tier_models))
         """Seconds per uniform step against its decoding requests, by its draft length
         (:meth:`choose_tier`): on CUDA each tier is its own graphs, whose cost the
@@ -620,7 +620,8 @@ class GoodputController:
         learned anything after it."""
         self._curves = (self.cost.kernel_arrays(), self.lane_cost.kernel_arrays(), self.tree_cost.kernel_arrays())
         """The plain, lane and tree steps' cost curves, as the step's kernel takes them (by number)."""
-        self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control, (self.tiers, *tier_arrays))
+        self._choice = (*self.yields.reach_buffers(), self._worth_share, self.control,
+                        (self.tiers, *self._tier_arrays))
         """What the step's kernel chooses draft lengths and the next lane question with."""
 
     # Decisions -----------------------------------------------------------------------
@@ -744,7 +745,7 @@ class GoodputController:
         ran, the plain curve's price of its tokens. The longest tier before any step
         was priced."""
         yields, plain = self.yields, self._plain_cost()
-        _, steps, _, _, curves = self._choice[4]
+        steps, _, _, curves = self._tier_arrays
         tier = kernels.choose_tier(yields.position_trials, yields.position_hits, *yields.reach_buffers(),
                                    yields.row_of_key_len, self._worth_share, kernels.as_int64(key_lens),
                                    kernels.as_int64(available), self.tiers, steps, curves, plain.fitted,

@@ -50,3 +50,26 @@ def test_a_direct_call_refuses_what_it_cannot_call_directly():
         DirectCall(_first_plus.py_func, 1)
     with pytest.raises(ValueError, match="at least one array"):
         DirectCall(_first_plus, 0)
+
+
+def test_a_kernel_of_one_compiled_signature_is_resolved_to_it_without_typing_again():
+    """Where the kernel holds one compiled signature after the dispatcher ran it, that is
+    the one it ran (a new type compiles a second): the entry point is taken without typing
+    the arguments in Python, and an array grown into a new object of the same type reads
+    right through it."""
+
+    @njit
+    def scaled_sum(values, scale):
+        return values.sum() * scale
+
+    call = DirectCall(scaled_sum, 1)
+    first = np.arange(4, dtype=np.int64)
+    assert call(first, 2) == 12 and len(scaled_sum.overloads) == 1
+    entry = call.entry
+    grown = np.arange(8, dtype=np.int64)  # another object, as an owner's array grown
+    assert call(grown, 1) == 28
+    assert call.resolutions == 2 and call.arrays[0] is grown and call.entry is entry
+    assert call.entry(grown, 3) == 84
+    assert call(np.arange(3, dtype=np.float64), 2) == 6.0 and len(scaled_sum.overloads) == 2
+    assert call.resolutions == 3 and call.entry is not entry
+    assert call(grown, 1) == 28 and call.entry is entry  # resolved among two by the arguments' types

@@ -9,6 +9,7 @@ import torch
 from vllm_fafo.control import kernels
 from vllm_fafo.control.goodput import GoodputController, StepCostModel
 from vllm_fafo.control.kernels import C_ASK_MAX_LANES, C_ASK_REQUESTS, C_DRAFTS_CUT, C_SAMPLED_STEPS
+from vllm_fafo.drafting import index as index_module
 from vllm_fafo.drafting.index import BatchDrafts
 from vllm_fafo.drafting.pool import ORIGIN_CODE, Origin
 from vllm_fafo.propose_kernel import LENGTHS_FOUND, LENGTHS_PADDED, LENGTHS_TIER, SAMPLED_DRAFTS
@@ -124,7 +125,7 @@ def sampled_tokens(history: np.ndarray, num_tokens: np.ndarray, rows: list[int],
 @pytest.mark.parametrize("settings", [{}, {"deep_match": True, "share_pool": True}, {"controller": "fixed"},
                                       {"controller": "fixed", "pad_drafts": True}, {"pad_drafts": True}],
                          ids=["goodput", "deep-match-shared", "fixed", "fixed-padded", "goodput-tiers"])
-def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
+def test_the_step_kernel_does_what_the_separate_kernels_did(settings, monkeypatch):
     """Three requests (one joining late, one leaving early) over 40 steps of texts that
     repeat themselves, each step's sampled tokens the text's next ones (the draft's
     matching prefix and one more): the proposer with the one kernel call and one making
@@ -135,6 +136,7 @@ def test_the_step_kernel_does_what_the_separate_kernels_did(settings):
     batch hands them (rows rewritten in place), so its kernel is called past numba's
     dispatcher (vllm_fafo.direct_call) in the steps where nothing it holds grew."""
     settings = {"controller": "goodput", "num_speculative_tokens": 6, **settings}
+    monkeypatch.setattr(index_module, "INITIAL_KEYS", 256)  # a small arena: it grows during the run
     fused = make_proposer(max_model_len=512, **settings)
     separate = make_proposer(max_model_len=512, **settings)
     separate.__class__ = SeparateKernels

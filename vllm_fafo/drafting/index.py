@@ -39,6 +39,11 @@ for _name in ("PROMPT", "OUTPUT", "SHARED", "DEEP_MATCH", "PRIOR"):  # the kerne
 _NO_KEPT_LENS = np.zeros(0, dtype=np.int64)
 """:meth:`DraftIndex.draft_batch`'s ``kept_lens`` where every request drafts (the kernel reads
 it only with a stride above 1)."""
+INITIAL_KEYS = 8192
+"""Keys the engine's pools have room for at first (about 0.9 MB): a request files about
+three keys per token, so from the 256 of a bare arena the first requests' steps grew it
+six times and more, each such step running its kernel twice (about 100 us at batch 1 on
+the 2-core CPU: docs/results/host-time.md)."""
 
 
 class BatchDrafts(NamedTuple):
@@ -82,7 +87,7 @@ class DraftIndex:
         self.config = config
         self.arena = PoolArena(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
                                touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates,
-                               candidate_len=max(config.ngram_len, config.lane_len))
+                               candidate_len=max(config.ngram_len, config.lane_len), initial_keys=INITIAL_KEYS)
         self.shared = None if not config.share_pool else TenantPools(
             self.arena, max_bytes=config.shared_pool_mib << 20, max_tenants=config.shared_pool_tenants)
         self.texts = tenant_texts(config)

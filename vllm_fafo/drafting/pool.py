@@ -87,11 +87,12 @@ def _tokens(values: Sequence[int]) -> np.ndarray:
 
 class PoolArena:
     """The arrays every pool of one engine lives in (:mod:`vllm_fafo.drafting.pool_kernels`),
-    with the settings all its pools share. Grows geometrically, never inside a kernel:
-    callers :meth:`reserve` room for what a call may add."""
+    with the settings all its pools share, from room for ``initial_keys`` keys. Grows
+    geometrically, never inside a kernel: callers :meth:`reserve` room for what a call
+    may add."""
 
     def __init__(self, max_key_len: int, capacity: int, *, min_key_len: int = 1, touch_on_lookup: bool = True,
-                 rank: str = "recency", candidate_len: int = 8) -> None:
+                 rank: str = "recency", candidate_len: int = 8, initial_keys: int = 256) -> None:
         if not 1 <= min_key_len <= max_key_len:
             raise ValueError(f"need 1 <= min_key_len={min_key_len} <= max_key_len={max_key_len}")
         if rank not in RANKINGS:
@@ -105,7 +106,7 @@ class PoolArena:
         self.rank = rank
         self._cfg = np.array([min_key_len, max_key_len, capacity, touch_on_lookup, rank == "votes"], dtype=np.int64)
         self._counters = np.zeros(kernels.NUM_COUNTERS, dtype=np.int64)
-        self._table = np.zeros(1024, dtype=np.int32)
+        self._table = np.zeros(1 << (4 * initial_keys - 1).bit_length(), dtype=np.int32)  # a quarter full
         self._slots = np.zeros((0, kernels.S_KEY + max_key_len), dtype=np.int32)
         """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
         self._entries = np.zeros((0, kernels.E_TOK + candidate_len), dtype=np.int32)
@@ -114,8 +115,8 @@ class PoolArena:
         """Each candidate's recency stamp."""
         self._owners = np.zeros((0, kernels.NUM_OWNER_COLUMNS), dtype=np.int64)
         """A row per pool (``O_*`` columns)."""
-        self._grow_slots(256)
-        self._grow_entries(256, candidate_len)
+        self._grow_slots(initial_keys)
+        self._grow_entries(initial_keys, candidate_len)
         self._grow_owners(8)
         self._free_owners: list[int] = list(range(7, -1, -1))
         self._tags = 0

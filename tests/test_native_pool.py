@@ -370,3 +370,21 @@ def test_the_filings_touch_pass_reads_every_candidate_of_every_key_it_probes():
     got = step_kernel._touch_filing(st, text[None], np.array([0]), np.array([n]), np.array([0]), np.array([0]),
                                     np.array([start]), owners, ngram_len, True, max_key, num_keys)
     assert got == want
+
+
+def test_the_engines_pools_hold_a_long_requests_keys_without_growing():
+    """The draft index's arena starts with room for ``INITIAL_KEYS`` keys: a request of
+    2,000 tokens (about 4,800 keys) is filed without growing it (each growth is a step
+    whose kernel runs twice), where a bare arena of 256 keys grows."""
+    from vllm_fafo.drafting import pool_kernels as pk
+    from vllm_fafo.drafting.index import INITIAL_KEYS
+    from vllm_fafo.drafting.pool import PoolArena
+
+    index = index_for()
+    target = index.start("r", None, np.zeros(0, dtype=np.int32))
+    state = index.arena.state
+    text = np.random.default_rng(2).integers(0, 1000, size=2000).astype(np.int32)
+    file_and_draft_one(index, target, text, prompt_len=0)
+    assert index.arena.num_live_keys > 4000
+    assert index.arena.state is state and len(state[pk.ST_SLOTS]) == INITIAL_KEYS
+    assert len(PoolArena(3, 16).state[pk.ST_SLOTS]) == 256

@@ -106,7 +106,7 @@ class PoolArena:
         self.rank = rank
         self._cfg = np.array([min_key_len, max_key_len, capacity, touch_on_lookup, rank == "votes"], dtype=np.int64)
         self._counters = np.zeros(kernels.NUM_COUNTERS, dtype=np.int64)
-        self._table = np.zeros(1 << (4 * initial_keys - 1).bit_length(), dtype=np.int32)  # a quarter full
+        self._table = np.zeros(1 << (4 * initial_keys - 1).bit_length(), dtype=np.int32)  # a quarter full at most
         self._slots = np.zeros((0, kernels.S_KEY + max_key_len), dtype=np.int32)
         """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
         self._entries = np.zeros((0, kernels.E_TOK + candidate_len), dtype=np.int32)

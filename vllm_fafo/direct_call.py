@@ -61,18 +61,16 @@ class DirectCall:
         for their exact types."""
         overloads = self.kernel.overloads
         if len(overloads) == 1:
-            self.arrays = args[: len(self.arrays)]
-            self.entry = next(iter(overloads.values())).entry_point
-            self.resolutions += 1
-            return
-        types = tuple(map(self.kernel.typeof_pyval, args))
-        compiled = overloads.get(types)
-        if compiled is None:
-            raise RuntimeError(
-                f"vllm-fafo: numba holds no code of {self.kernel.py_func.__qualname__} for the exact types "
-                f"{types} it was just called with (written against numba 0.65.0, whose dispatcher compiles "
-                "one for each new combination of types)"
-            )
+            compiled = next(iter(overloads.values()))
+        else:
+            types = tuple(map(self.kernel.typeof_pyval, args))
+            compiled = overloads.get(types)
+            if compiled is None:
+                raise RuntimeError(
+                    f"vllm-fafo: numba holds no code of {self.kernel.py_func.__qualname__} for the exact types "
+                    f"{types} it was just called with (written against numba 0.65.0, whose dispatcher compiles "
+                    "one for each new combination of types)"
+                )
         self.arrays = args[: len(self.arrays)]
         self.entry = compiled.entry_point
         self.resolutions += 1

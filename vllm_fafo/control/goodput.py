@@ -534,7 +534,7 @@ class FixedController:
                           np.zeros(2, dtype=np.int64))
         curve = StepCostModel().kernel_arrays()  # never observed (learning's first entry says so)
         self._curves = (curve, curve, curve)
-        tier_arrays, _ = stacked_cost_models(1)  # never asked (the kernel pads to max_draft)
+        tier_arrays = _cost_model_arrays(1)  # never asked (the kernel pads to max_draft)
         self._choice = (np.zeros(1), table, table, self.control, (draft_tiers(max_draft)[-1:], *tier_arrays))
 
     def draft_room(self) -> int:

@@ -395,6 +395,13 @@ def choose_lanes(totals: np.ndarray, lane_len: int, lane_requests: int, real_tok
                              plain_count, lanes, lane_count, probe_due, probe_anyway, np.empty(count + 2))
 
 
+@njit(cache=True, inline="always")
+def _yield_row(row_of_key_len: np.ndarray, worth_share: np.ndarray, key_len: int) -> tuple[int, int]:
+    """A draft matched under a key of ``key_len`` tokens: its row of the draft yields, and its
+    row of ``worth_share`` (the longer keys share the longest's)."""
+    return row_of_key_len[min(key_len, len(row_of_key_len) - 1)], min(key_len, worth_share.shape[0] - 1)
+
+
 @njit(cache=True, error_model="numpy")
 def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
                          reach_by_row: np.ndarray, refresh: bool, row_of_key_len: np.ndarray,
@@ -409,14 +416,11 @@ def choose_draft_lengths(trials: np.ndarray, hits: np.ndarray, reach_overall: np
     if refresh:
         draft_reach(trials, hits, reach_overall, reach_by_row)
     count = len(available)
-    longest = len(row_of_key_len) - 1
     rows = np.empty(count, dtype=np.int64)
     matched = np.empty(count, dtype=np.int64)
     total = 0
     for r in range(count):
-        key_len = min(key_lens[r], longest)
-        rows[r] = row_of_key_len[key_len]
-        matched[r] = min(key_lens[r], worth_share.shape[0] - 1)
+        rows[r], matched[r] = _yield_row(row_of_key_len, worth_share, key_lens[r])
         total += available[r]
     seconds = np.empty(total + 1)
     step_seconds(plain, plain_count, lanes, lane_count, step_tokens, seconds)
@@ -445,10 +449,8 @@ def choose_tier(trials: np.ndarray, hits: np.ndarray, reach_overall: np.ndarray,
         return tiers[-1]
     positions = reach_by_row.shape[1]
     worth = np.zeros(positions + 1)  # worth[k + 1]: position k's, over the requests; then summed up to k
-    longest = len(row_of_key_len) - 1
     for r in range(count):
-        row = row_of_key_len[min(key_lens[r], longest)]
-        matched = min(key_lens[r], worth_share.shape[0] - 1)
+        row, matched = _yield_row(row_of_key_len, worth_share, key_lens[r])
         for k in range(min(available[r], positions)):
             worth[k + 1] += reach_by_row[row, k] * worth_share[matched, k]
     for k in range(positions):

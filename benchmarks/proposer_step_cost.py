@@ -28,10 +28,10 @@ host time measured, repeat run to run.
 ``--ngram`` also drives vLLM's ``ngram`` proposer (``NgramProposer``, the matrix's
 ``ngram`` settings: 4 draft tokens, n-grams of 2 to 4) over the same texts, batch and
 cache eviction, each step its drafts' accepted prefix plus one token, and reports its
-``propose`` time per step, its tau and FAFO's time over it: the issue's target,
-measured without an engine's noise. With ``--evict-mib`` 0 the caches stay warm (as on
-a GPU host, whose forwards leave the processor's caches to it), with 96 they are cold
-(as after a CPU forward).
+``propose`` time per step (mean and median), its tau and FAFO's time over it (means, and
+medians): the issue's target, measured without an engine's noise. With ``--evict-mib`` 0
+the caches stay warm (as on a GPU host, whose forwards leave the processor's caches to
+it), with 96 they are cold (as after a CPU forward).
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,8,32,128 --history 128,8192 --ngram --evict-mib 96
 

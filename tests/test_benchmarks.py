@@ -96,7 +96,7 @@ def test_proposer_step_cost_command_runs_and_drafts_are_accepted():
     assert [int(row[0]) for row in rows] == [1, 4]
     for row in rows:
         mean, median, per_request, slowest = float(row[2]), float(row[3]), float(row[4]), float(row[6])
-        assert 0 < median <= slowest * 1e3 and 0 < per_request
+        assert 0 < median <= slowest * 1e3 + 1 and 0 < per_request  # the slowest step: ms to 3 decimals
         assert abs(per_request - mean / int(row[0])) < 0.1
         assert float(row[5]) > 1.0  # the repetitive text gives the pool drafts that are accepted
         # --gc-pauses: full collections, their longest pause, tracked objects after

@@ -229,12 +229,9 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
         clock.now += forward
         drafts = proposer.propose(sampled, num_tokens, rows)
         times[step] = timer() - start
-    result = {
-        **_step_times(times),
-        "us_per_request_step": times.mean() / batch * 1e6,
-        "tau": decoded / (steps * batch),
-        "slowest_step_ms": times.max() * 1e3,
-    }
+    result = _step_times(times)
+    result |= {"us_per_request_step": result["us_per_step"] / batch, "tau": decoded / (steps * batch),
+               "slowest_step_ms": times.max() * 1e3}
     if collections is not None:
         collections.stop()
         result |= {"full_collections": len(collections.pauses), "longest_pause_ms": max(collections.pauses, default=0.0),

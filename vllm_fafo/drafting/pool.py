@@ -85,6 +85,15 @@ def _tokens(values: Sequence[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int32).reshape(-1)
 
 
+def _table_cells(keys: int, at_least: int = 1) -> int:
+    """The table's size for ``keys`` keys: ``at_least`` doubled until they fill a quarter of it
+    at most (open addressing stays short; tombstones fill it up to half before a rehash)."""
+    size = at_least
+    while 4 * keys > size:
+        size *= 2
+    return size
+
+
 class PoolArena:
     """The arrays every pool of one engine lives in (:mod:`vllm_fafo.drafting.pool_kernels`),
     with the settings all its pools share, from room for ``initial_keys`` keys. Grows
@@ -106,7 +115,7 @@ class PoolArena:
         self.rank = rank
         self._cfg = np.array([min_key_len, max_key_len, capacity, touch_on_lookup, rank == "votes"], dtype=np.int64)
         self._counters = np.zeros(kernels.NUM_COUNTERS, dtype=np.int64)
-        self._table = np.zeros(1 << (4 * initial_keys - 1).bit_length(), dtype=np.int32)  # a quarter full at most
+        self._table = np.zeros(_table_cells(initial_keys), dtype=np.int32)
         self._slots = np.zeros((0, kernels.S_KEY + max_key_len), dtype=np.int32)
         """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
         self._entries = np.zeros((0, kernels.E_TOK + candidate_len), dtype=np.int32)
@@ -183,11 +192,8 @@ class PoolArena:
             size = len(self._entries)
             self._grow_entries(max(2 * size, size + keys) if short else size, max(candidate_len, self.candidate_len))
         if 2 * (counters[kernels.CNT_TABLE_USED] + keys) > len(self._table):
-            live = int(counters[kernels.CNT_LIVE_SLOTS])
-            size = len(self._table)
-            while 4 * (live + keys) > size:
-                size *= 2
-            self._table = np.zeros(size, dtype=np.int32)
+            self._table = np.zeros(_table_cells(int(counters[kernels.CNT_LIVE_SLOTS]) + keys, len(self._table)),
+                                   dtype=np.int32)
             self._state = None
             kernels.rehash(self.state)
 

@@ -35,6 +35,12 @@ it), with 96 they are cold (as after a CPU forward).
 
     python benchmarks/proposer_step_cost.py --batch-sizes 1,8,32,128 --history 128,8192 --ngram --evict-mib 96
 
+``--warm-code`` (with ``--evict-mib``) splits a cold step: after each eviction a twin
+proposer of the same kind, over other texts, takes its step untimed, so that the code,
+the interpreter's and the libraries' state are warm again and only the measured
+proposer's own data (its index, its Python objects) is cold; the cold step less this one
+is what the code costs cold, this one less the warm step what the data does.
+
 ``--set KEY=JSON`` (repeatable) sets one of FAFO's keys over the benchmark's, to see
 what a draft source costs per step (``--set share_pool=false --set deep_match=false``).
 
@@ -142,37 +148,109 @@ def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[
     return sampled
 
 
+class _FafoSteps:
+    """A FAFO proposer decoding ``batch`` texts on the modelled machine: its prefill, then
+    each step its drafts' accepted prefix plus one token and the modelled forward's price
+    (:meth:`prepare`, the benchmark's work), then the plugin's hooks (:meth:`run`)."""
+
+    def __init__(self, config: FafoConfig, batch: int, history_len: int, steps: int, seed: int,
+                 cost_ms: tuple[float, ...], gc_pauses: bool = False) -> None:
+        rng = np.random.default_rng(seed)
+        self.rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
+        if gc_pauses:
+            gc.collect()
+            gc.freeze()
+        self.proposer = make_proposer(config, self.rows.shape[1])
+        # No model here: a prior table of random continuations (a lookup costs the same).
+        self.proposer.index = DraftIndex(self.proposer.config, prior=PriorTable(
+            rng.integers(0, VOCAB, size=(VOCAB, DEFAULT_WIDTH), dtype=np.int32)))
+        self.clock = self.proposer.clock = ModelledClock()
+        self.cost_ms, self.batch = cost_ms, batch
+        self.req_ids = [f"r{i}" for i in range(batch)]
+        self.num_tokens = np.full(batch, history_len, dtype=np.int32)
+        # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
+        self.proposer.begin_step((), 0, {}, dict.fromkeys(self.req_ids))
+        self.proposer.finish_forward(self.req_ids, None)
+        self.drafts = self.proposer.propose([[int(row[history_len - 1])] for row in self.rows], self.num_tokens,
+                                            self.rows)
+        self.decoded = 0
+
+    def prepare(self) -> None:
+        before = int(self.num_tokens.sum())
+        self.sampled = accepted_tokens(self.rows, self.num_tokens, self.drafts)
+        self.decoded += int(self.num_tokens.sum()) - before
+        self.spec = {req_id: draft for req_id, draft in zip(self.req_ids, self.drafts)}
+        # the modelled forward's tokens and seconds, worked out untimed (the benchmark's, not the proposer's work)
+        self.num_drafts = sum(map(len, self.drafts))
+        self.forward = step_seconds(self.cost_ms, self.num_drafts, self.batch)
+
+    def run(self) -> None:
+        proposer = self.proposer
+        proposer.begin_step((), self.batch + self.num_drafts, self.spec, {})
+        proposer.finish_forward(self.req_ids, None)
+        self.clock.now += self.forward
+        self.drafts = proposer.propose(self.sampled, self.num_tokens, self.rows)
+
+
+class _NgramSteps:
+    """vLLM's ``ngram`` proposer (the matrix's settings) decoding ``batch`` texts: each
+    step its drafts' accepted prefix plus one token (:meth:`prepare`), then its
+    ``propose`` (:meth:`run`)."""
+
+    def __init__(self, batch: int, history_len: int, steps: int, seed: int) -> None:
+        from matrix import NGRAM_SPEC
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+        self.k = NGRAM_SPEC["num_speculative_tokens"]
+        self.rows = texts(batch, history_len, steps, FafoConfig.num_speculative_tokens, np.random.default_rng(seed))
+        self.proposer = NgramProposer(SimpleNamespace(
+            speculative_config=SimpleNamespace(num_speculative_tokens=self.k,
+                                               prompt_lookup_min=NGRAM_SPEC["prompt_lookup_min"],
+                                               prompt_lookup_max=NGRAM_SPEC["prompt_lookup_max"]),
+            model_config=SimpleNamespace(max_model_len=self.rows.shape[1]),
+            scheduler_config=SimpleNamespace(max_num_seqs=max(batch, 1024)),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        ))
+        self.num_tokens = np.full(batch, history_len, dtype=np.int32)
+        self.sampled = [[int(row[history_len - 1])] for row in self.rows]  # the prefill's token
+        self.decoded = 0
+        self.run()
+
+    def prepare(self) -> None:
+        before = int(self.num_tokens.sum())
+        self.sampled = accepted_tokens(self.rows, self.num_tokens, self.drafts)
+        self.decoded += int(self.num_tokens.sum()) - before
+
+    def run(self) -> None:
+        self.drafts = self.proposer.propose(self.k, self.sampled, self.num_tokens, self.rows)
+
+
 def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict_mib: int = 0,
-                  timer: Callable[[], float] = time.perf_counter) -> dict:
+                  timer: Callable[[], float] = time.perf_counter, warm_code: bool = False) -> dict:
     """:func:`measure` for vLLM's ``ngram`` proposer (the matrix's settings) over the same
     texts: its ``propose`` per step, and its tau."""
-    from matrix import NGRAM_SPEC
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    run = _NgramSteps(batch, history_len, steps, seed)
+    twin = _NgramSteps(batch, history_len, steps, seed + 1) if warm_code else None
+    times = _timed_steps(run, twin, steps, cache_eviction(evict_mib), timer)
+    return {**_step_times(times), "tau": run.decoded / (steps * batch)}
 
-    k = NGRAM_SPEC["num_speculative_tokens"]
-    rows = texts(batch, history_len, steps, FafoConfig.num_speculative_tokens, np.random.default_rng(seed))
-    max_len = rows.shape[1]
-    proposer = NgramProposer(SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k, prompt_lookup_min=NGRAM_SPEC["prompt_lookup_min"],
-                                           prompt_lookup_max=NGRAM_SPEC["prompt_lookup_max"]),
-        model_config=SimpleNamespace(max_model_len=max_len),
-        scheduler_config=SimpleNamespace(max_num_seqs=max(batch, 1024)),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    ))
-    num_tokens = np.full(batch, history_len, dtype=np.int32)
-    sampled = [[int(row[history_len - 1])] for row in rows]  # the prefill's token
-    evict = cache_eviction(evict_mib)
-    decoded, times = 0, np.empty(steps)
-    drafts = proposer.propose(k, sampled, num_tokens, rows)
+
+def _timed_steps(run: _FafoSteps | _NgramSteps, twin: _FafoSteps | _NgramSteps | None, steps: int,
+                 evict: Callable[[], None], timer: Callable[[], float]) -> np.ndarray:
+    """``run``'s steps, each timed alone after the eviction (and, with a ``twin``, after the
+    twin's step: the same code over its own data)."""
+    times = np.empty(steps)
     for step in range(steps):
-        before = int(num_tokens.sum())
-        sampled = accepted_tokens(rows, num_tokens, drafts)
-        decoded += int(num_tokens.sum()) - before
+        run.prepare()
+        if twin is not None:
+            twin.prepare()
         evict()
+        if twin is not None:
+            twin.run()
         start = timer()
-        drafts = proposer.propose(k, sampled, num_tokens, rows)
+        run.run()
         times[step] = timer() - start
-    return {**_step_times(times), "tau": decoded / (steps * batch)}
+    return times
 
 
 def _step_times(times: np.ndarray) -> dict:
@@ -185,58 +263,28 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
             cost_ms: tuple[float, ...] = CPU_LIKE_COST_MS,
             num_speculative_tokens: int = FafoConfig.num_speculative_tokens, pad_drafts: bool = False,
             gc_pauses: bool = False, evict_mib: int = 0, settings: dict | None = None,
-            timer: Callable[[], float] = time.perf_counter) -> dict:
+            timer: Callable[[], float] = time.perf_counter, warm_code: bool = False) -> dict:
     """Per-step host time of ``steps`` decoding steps of ``batch`` requests that start
     with ``history_len`` tokens of prompt, their forwards costing ``cost_ms``; with
     ``gc_pauses``, the full garbage collections during the steps too; with ``evict_mib``,
     that many MiB written before each step (untimed), as a forward leaves the caches;
-    ``settings``: more of FAFO's keys (``--set``); ``timer``: what the steps are timed by."""
+    with ``warm_code``, a twin proposer over other texts then takes its step (untimed), so
+    that the code runs warm and only this proposer's own data is cold; ``settings``: more
+    of FAFO's keys (``--set``); ``timer``: what the steps are timed by."""
     config = FafoConfig(**{"num_lanes": 0, "controller": controller, "num_speculative_tokens": num_speculative_tokens,
                            "pad_drafts": pad_drafts, "prior_table": "off", **(settings or {})})
-    rng = np.random.default_rng(seed)
-    rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
-    max_len = rows.shape[1]
-    if gc_pauses:
-        gc.collect()
-        gc.freeze()
-    proposer = make_proposer(config, max_len)
-    # No model here: a prior table of random continuations (a lookup costs the same).
-    proposer.index = DraftIndex(proposer.config, prior=PriorTable(
-        rng.integers(0, VOCAB, size=(VOCAB, DEFAULT_WIDTH), dtype=np.int32)))
-    clock = proposer.clock = ModelledClock()
-    req_ids = [f"r{i}" for i in range(batch)]
-    num_tokens = np.full(batch, history_len, dtype=np.int32)
-    # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
-    proposer.begin_step((), 0, {}, dict.fromkeys(req_ids))
-    proposer.finish_forward(req_ids, None)
-    drafts = proposer.propose([[int(row[history_len - 1])] for row in rows], num_tokens, rows)
-    decoded = 0
-    times = np.empty(steps)
+    run = _FafoSteps(config, batch, history_len, steps, seed, cost_ms, gc_pauses)
+    twin = _FafoSteps(config, batch, history_len, steps, seed + 1, cost_ms) if warm_code else None
     collections = _FullCollections() if gc_pauses else None
-    evict = cache_eviction(evict_mib)
-    for step in range(steps):
-        before = int(num_tokens.sum())
-        sampled = accepted_tokens(rows, num_tokens, drafts)
-        decoded += int(num_tokens.sum()) - before
-        spec = {req_id: draft for req_id, draft in zip(req_ids, drafts)}
-        # the modelled forward's tokens and seconds, worked out untimed (the benchmark's, not the proposer's work)
-        num_drafts = sum(map(len, drafts))
-        forward = step_seconds(cost_ms, num_drafts, batch)
-        evict()
-        start = timer()
-        proposer.begin_step((), batch + num_drafts, spec, {})
-        proposer.finish_forward(req_ids, None)
-        clock.now += forward
-        drafts = proposer.propose(sampled, num_tokens, rows)
-        times[step] = timer() - start
+    times = _timed_steps(run, twin, steps, cache_eviction(evict_mib), timer)
     result = _step_times(times)
-    result |= {"us_per_request_step": result["us_per_step"] / batch, "tau": decoded / (steps * batch),
+    result |= {"us_per_request_step": result["us_per_step"] / batch, "tau": run.decoded / (steps * batch),
                "slowest_step_ms": times.max() * 1e3}
     if collections is not None:
         collections.stop()
         result |= {"full_collections": len(collections.pauses), "longest_pause_ms": max(collections.pauses, default=0.0),
                    "tracked_objects": len(gc.get_objects())}
-        del proposer
+        del run, twin
         gc.unfreeze()
     return result
 
@@ -289,6 +337,10 @@ def main() -> None:
     parser.add_argument("--evict-mib", type=int, default=0,
                         help="write this many MiB before each step, untimed (96: above the L3, as a CPU forward "
                              "leaves the caches; the engine's host time is the cold one, benchmarks/cold_calls.py)")
+    parser.add_argument("--warm-code", action="store_true",
+                        help="after each eviction, a twin proposer over other texts takes its step, untimed: the "
+                             "code, the interpreter and the libraries warm, the measured proposer's own data cold "
+                             "(needs --evict-mib)")
     parser.add_argument("--thread-time", action="store_true",
                         help="time FAFO's steps by the thread's processor time, not the wall clock (a shared machine's "
                              "other tenants then do not count)")
@@ -301,11 +353,15 @@ def main() -> None:
                         help="one of FAFO's keys (docs/configuration.md) over the benchmark's, e.g. share_pool=false; "
                              "repeatable")
     args = parser.parse_args()
+    if args.warm_code and not args.evict_mib:
+        parser.error("--warm-code splits a cold step: it needs --evict-mib (96: caches cold, as after a CPU forward)")
     cost_ms = args.cost_ms
     print(f"controller {args.controller}, "
           f"{args.num_speculative_tokens} speculative tokens{', padded' if args.pad_drafts else ''}, "
           f"{args.steps} steps, no lanes (num_lanes 0), forwards modelled at {','.join(f'{v:g}' for v in cost_ms)} ms"
-          f"{', timed by the thread processor time' if args.thread_time else ''}")
+          f"{', timed by the thread processor time' if args.thread_time else ''}"
+          f"{f', {args.evict_mib} MiB evicted before each step' if args.evict_mib else ''}"
+          f"{', then a twin proposer stepped (code warm, own data cold)' if args.warm_code else ''}")
     settings = dict(args.set)
     if settings:
         print("settings: " + ", ".join(f"{key}={json.dumps(value)}" for key, value in settings.items()))
@@ -324,12 +380,13 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for length in (int(n) for n in args.history.split(",")):
             result = measure(batch, length, args.steps, args.controller, gc_pauses=args.gc_pauses,
-                             evict_mib=args.evict_mib, **options)
+                             evict_mib=args.evict_mib, warm_code=args.warm_code, **options)
             gc_cells = (f" {result['full_collections']} | {result['longest_pause_ms']:.1f} | {result['tracked_objects']} |"
                         if args.gc_pauses else "")
             ngram_cells = ""
             if args.ngram:
-                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib, timer=options["timer"])
+                ngram = measure_ngram(batch, length, args.steps, evict_mib=args.evict_mib, timer=options["timer"],
+                                      warm_code=args.warm_code)
                 ngram_cells = (f" {ngram['us_per_step']:.1f} | {ngram['median_us_per_step']:.1f} | {ngram['tau']:.2f} "
                                f"| {result['us_per_step'] / ngram['us_per_step']:.2f} "
                                f"| {result['median_us_per_step'] / ngram['median_us_per_step']:.2f} |")

@@ -145,6 +145,39 @@ def test_proposer_step_costs_median_leaves_out_the_rare_slow_steps(monkeypatch):
     assert result["us_per_step"] == 2e6 and result["median_us_per_step"] == 1e6
 
 
+def test_proposer_step_cost_warm_code_steps_a_twin_after_the_eviction_and_outside_the_timer(monkeypatch):
+    """``--warm-code``: each step the twin takes its step after the eviction and before the
+    timer starts (so only the measured proposer's own data is cold); the twin's texts are its
+    own, so the measured drafts, and their tau, are what they are without it; the option
+    without an eviction is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = benchmark_script("proposer_step_cost")
+    calls = []
+
+    class Steps:
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self):
+            calls.append(f"{self.name}.prepare")
+
+        def run(self):
+            calls.append(f"{self.name}.run")
+
+    def timer():
+        calls.append("timer")
+        return float(len(calls))
+
+    script._timed_steps(Steps("run"), Steps("twin"), 2, lambda: calls.append("evict"), timer)
+    assert calls == ["run.prepare", "twin.prepare", "evict", "twin.run", "timer", "run.run", "timer"] * 2
+    for measure in (lambda **kw: script.measure(3, 128, 30, "goodput", evict_mib=1, **kw),
+                    lambda **kw: script.measure_ngram(3, 128, 30, evict_mib=1, **kw)):
+        assert measure(warm_code=True)["tau"] == measure()["tau"] > 1.0
+    command = [sys.executable, str(ROOT / "benchmarks" / "proposer_step_cost.py"), "--warm-code"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--warm-code splits a cold step: it needs --evict-mib" in result.stderr
+
+
 def test_proposer_step_cost_sets_fafos_keys_and_refuses_unknown_ones(monkeypatch):
     """``--set KEY=JSON`` reaches the proposer's config (here: no deep matches, so other
     drafts are accepted); an unknown key or a value that is not JSON is refused, naming it."""

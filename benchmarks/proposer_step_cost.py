@@ -154,12 +154,9 @@ class _FafoSteps:
     (:meth:`prepare`, the benchmark's work), then the plugin's hooks (:meth:`run`)."""
 
     def __init__(self, config: FafoConfig, batch: int, history_len: int, steps: int, seed: int,
-                 cost_ms: tuple[float, ...], gc_pauses: bool = False) -> None:
+                 cost_ms: tuple[float, ...]) -> None:
         rng = np.random.default_rng(seed)
         self.rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
-        if gc_pauses:
-            gc.collect()
-            gc.freeze()
         self.proposer = make_proposer(config, self.rows.shape[1])
         # No model here: a prior table of random continuations (a lookup costs the same).
         self.proposer.index = DraftIndex(self.proposer.config, prior=PriorTable(
@@ -273,7 +270,10 @@ def measure(batch: int, history_len: int, steps: int, controller: str, seed: int
     of FAFO's keys (``--set``); ``timer``: what the steps are timed by."""
     config = FafoConfig(**{"num_lanes": 0, "controller": controller, "num_speculative_tokens": num_speculative_tokens,
                            "pad_drafts": pad_drafts, "prior_table": "off", **(settings or {})})
-    run = _FafoSteps(config, batch, history_len, steps, seed, cost_ms, gc_pauses)
+    if gc_pauses:
+        gc.collect()
+        gc.freeze()
+    run = _FafoSteps(config, batch, history_len, steps, seed, cost_ms)
     twin = _FafoSteps(config, batch, history_len, steps, seed + 1, cost_ms) if warm_code else None
     collections = _FullCollections() if gc_pauses else None
     times = _timed_steps(run, twin, steps, cache_eviction(evict_mib), timer)

@@ -148,15 +148,31 @@ def accepted_tokens(rows: np.ndarray, num_tokens: np.ndarray, drafts: list[list[
     return sampled
 
 
-class _FafoSteps:
+class _DecodingSteps:
+    """A proposer's batch of texts (``rows``, each ``history_len`` tokens decoded): each step
+    its drafts' accepted prefix plus one token are decoded (:meth:`prepare`, untimed), then
+    the proposer drafts (a subclass's ``run``, timed)."""
+
+    def __init__(self, rows: np.ndarray, history_len: int) -> None:
+        self.rows = rows
+        self.num_tokens = np.full(len(rows), history_len, dtype=np.int32)
+        self.decoded = 0
+
+    def prepare(self) -> None:
+        before = int(self.num_tokens.sum())
+        self.sampled = accepted_tokens(self.rows, self.num_tokens, self.drafts)
+        self.decoded += int(self.num_tokens.sum()) - before
+
+
+class _FafoSteps(_DecodingSteps):
     """A FAFO proposer decoding ``batch`` texts on the modelled machine: its prefill, then
-    each step its drafts' accepted prefix plus one token and the modelled forward's price
-    (:meth:`prepare`, the benchmark's work), then the plugin's hooks (:meth:`run`)."""
+    each step the decoded tokens and the modelled forward's price (:meth:`prepare`, the
+    benchmark's work), then the plugin's hooks (:meth:`run`)."""
 
     def __init__(self, config: FafoConfig, batch: int, history_len: int, steps: int, seed: int,
                  cost_ms: tuple[float, ...]) -> None:
         rng = np.random.default_rng(seed)
-        self.rows = texts(batch, history_len, steps, config.num_speculative_tokens, rng)
+        super().__init__(texts(batch, history_len, steps, config.num_speculative_tokens, rng), history_len)
         self.proposer = make_proposer(config, self.rows.shape[1])
         # No model here: a prior table of random continuations (a lookup costs the same).
         self.proposer.index = DraftIndex(self.proposer.config, prior=PriorTable(
@@ -164,18 +180,14 @@ class _FafoSteps:
         self.clock = self.proposer.clock = ModelledClock()
         self.cost_ms, self.batch = cost_ms, batch
         self.req_ids = [f"r{i}" for i in range(batch)]
-        self.num_tokens = np.full(batch, history_len, dtype=np.int32)
         # Prefill: each request's last prompt token was sampled; the pool is seeded from the prompt.
         self.proposer.begin_step((), 0, {}, dict.fromkeys(self.req_ids))
         self.proposer.finish_forward(self.req_ids, None)
         self.drafts = self.proposer.propose([[int(row[history_len - 1])] for row in self.rows], self.num_tokens,
                                             self.rows)
-        self.decoded = 0
 
     def prepare(self) -> None:
-        before = int(self.num_tokens.sum())
-        self.sampled = accepted_tokens(self.rows, self.num_tokens, self.drafts)
-        self.decoded += int(self.num_tokens.sum()) - before
+        super().prepare()
         self.spec = {req_id: draft for req_id, draft in zip(self.req_ids, self.drafts)}
         # the modelled forward's tokens and seconds, worked out untimed (the benchmark's, not the proposer's work)
         self.num_drafts = sum(map(len, self.drafts))
@@ -189,17 +201,17 @@ class _FafoSteps:
         self.drafts = proposer.propose(self.sampled, self.num_tokens, self.rows)
 
 
-class _NgramSteps:
-    """vLLM's ``ngram`` proposer (the matrix's settings) decoding ``batch`` texts: each
-    step its drafts' accepted prefix plus one token (:meth:`prepare`), then its
-    ``propose`` (:meth:`run`)."""
+class _NgramSteps(_DecodingSteps):
+    """vLLM's ``ngram`` proposer (the matrix's settings) decoding ``batch`` texts: its
+    ``propose`` each step (:meth:`run`)."""
 
     def __init__(self, batch: int, history_len: int, steps: int, seed: int) -> None:
         from matrix import NGRAM_SPEC
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
         self.k = NGRAM_SPEC["num_speculative_tokens"]
-        self.rows = texts(batch, history_len, steps, FafoConfig.num_speculative_tokens, np.random.default_rng(seed))
+        super().__init__(texts(batch, history_len, steps, FafoConfig.num_speculative_tokens,
+                               np.random.default_rng(seed)), history_len)
         self.proposer = NgramProposer(SimpleNamespace(
             speculative_config=SimpleNamespace(num_speculative_tokens=self.k,
                                                prompt_lookup_min=NGRAM_SPEC["prompt_lookup_min"],
@@ -208,15 +220,8 @@ class _NgramSteps:
             scheduler_config=SimpleNamespace(max_num_seqs=max(batch, 1024)),
             parallel_config=SimpleNamespace(tensor_parallel_size=1),
         ))
-        self.num_tokens = np.full(batch, history_len, dtype=np.int32)
         self.sampled = [[int(row[history_len - 1])] for row in self.rows]  # the prefill's token
-        self.decoded = 0
         self.run()
-
-    def prepare(self) -> None:
-        before = int(self.num_tokens.sum())
-        self.sampled = accepted_tokens(self.rows, self.num_tokens, self.drafts)
-        self.decoded += int(self.num_tokens.sum()) - before
 
     def run(self) -> None:
         self.drafts = self.proposer.propose(self.k, self.sampled, self.num_tokens, self.rows)
@@ -232,7 +237,7 @@ def measure_ngram(batch: int, history_len: int, steps: int, seed: int = 0, evict
     return {**_step_times(times), "tau": run.decoded / (steps * batch)}
 
 
-def _timed_steps(run: _FafoSteps | _NgramSteps, twin: _FafoSteps | _NgramSteps | None, steps: int,
+def _timed_steps(run: _DecodingSteps, twin: _DecodingSteps | None, steps: int,
                  evict: Callable[[], None], timer: Callable[[], float]) -> np.ndarray:
     """``run``'s steps, each timed alone after the eviction (and, with a ``twin``, after the
     twin's step: the same code over its own data)."""

@@ -17,6 +17,10 @@ microseconds, and the steps' count.
     python benchmarks/host_time.py --methods fafo,ngram,suffix --batch-sizes 1,8,32
     python benchmarks/host_time.py --methods fafo,ngram --method 'fafo-pool={"method":"fafo","num_lanes":0}'
 
+On a GPU, ``--dtype bfloat16 --cuda-graphs`` serves as vLLM does there (the methods
+without lanes in CUDA graphs): the host work between forwards that a GPU host's users
+see, its caches as that host's other work leaves them.
+
 ``--rounds N`` runs the methods in turn N times (one engine per method and round) and
 then prints, per batch size, each method's medians round by round and the ratio of the
 first method to each other one in each round: a machine's spread between engines is
@@ -218,12 +222,22 @@ def run_rounds(argv: list[str], methods: list[str], rounds: int) -> None:
         print("", *rounds_rows(results), sep="\n", flush=True)
 
 
+def engine_arguments(dtype: str, cuda_graphs: bool) -> dict:
+    """The engine's settings but the method's: SmolLM2 in ``dtype``, eager unless
+    ``cuda_graphs`` (vLLM's defaults then, as :mod:`matrix`'s ``--cuda-graphs``)."""
+    return {"dtype": dtype, "enforce_eager": not cuda_graphs, "seed": 0, "max_model_len": 2048,
+            "kv_cache_memory_bytes": 1 << 30}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="fafo,ngram,suffix", help="comma-separated, as benchmarks/matrix.py's")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dataset", default="mtbench")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", help="the model's (bfloat16 on a GPU)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="vLLM's defaults (CUDA graphs, compile) instead of eager, as served on a GPU")
     parser.add_argument("--parts", action="store_true",
                         help="also time each runner method apart (every method) and the parts of the plugin's step "
                              "(PARTS; its methods only)")
@@ -262,8 +276,7 @@ def main() -> None:
     part_rows: list[str] = []
     if spec and spec.get("method") == "fafo":
         smollm2_prior_table()
-    llm = LLM(model=str(smollm2_dir()), dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
-              kv_cache_memory_bytes=1 << 30, speculative_config=spec)
+    llm = LLM(model=str(smollm2_dir()), speculative_config=spec, **engine_arguments(args.dtype, args.cuda_graphs))
     tokenizer = llm.get_tokenizer()
     prompts = [chat_prompt(tokenizer, text) for text in load_prompts(args.dataset)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

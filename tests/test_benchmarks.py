@@ -577,6 +577,23 @@ def test_host_time_parts_say_what_propose_spends_outside_them(monkeypatch):
     assert all(callable(getattr(runner_patch, name)) for name in host_time.PATCH_WORK)
 
 
+def test_host_time_serves_as_on_a_gpu_where_asked(monkeypatch):
+    """``host_time.py --dtype bfloat16 --cuda-graphs``: the engines run in that dtype with
+    vLLM's defaults (not eager), and every child engine is given the options."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    host_time = benchmark_script("host_time")
+    assert host_time.engine_arguments("float32", False)["enforce_eager"] is True
+    gpu = host_time.engine_arguments("bfloat16", True)
+    assert (gpu["dtype"], gpu["enforce_eager"]) == ("bfloat16", False)
+    children = []
+    monkeypatch.setattr(host_time, "run_rounds", lambda argv, methods, rounds: children.append((argv, methods)))
+    monkeypatch.setattr(sys, "argv", ["host_time.py", "--methods", "fafo,ngram", "--dtype", "bfloat16",
+                                      "--cuda-graphs"])
+    host_time.main()
+    argv, methods = children[0]
+    assert methods == ["fafo", "ngram"] and argv[-3:] == ["--dtype", "bfloat16", "--cuda-graphs"]
+
+
 def test_host_time_rounds_show_each_round_and_the_ratio_by_round(monkeypatch):
     """``host_time.py --rounds``: each method's medians round by round, and the first method's
     ratio to each other one taken within a round (a round missing a cell is left out of it)."""

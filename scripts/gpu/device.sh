@@ -33,6 +33,11 @@
 #             its own whole CUDA graphs) against plain, ngram and the default (16 padded, fixed) on
 #             SmolLM2 (bf16, CUDA graphs, 64 x 256), MT-Bench first (FAFO_DATASETS), batch 1, 32,
 #             8, 64 (FAFO_BATCH_SIZES); vLLM suffix's tau comes from the CPU replay
+#   host_regime    which caches a GPU host's proposer step meets: the step alone on this host's
+#             CPU warm, with its L2 emptied and cold (benchmarks/proposer_step_cost.py, the CUDA
+#             defaults and vLLM ngram, batch 1, 8, 32), then in the engine as served (bf16, CUDA
+#             graphs; benchmarks/host_time.py --parts): the engine's figures against the three
+#             say which regime, and so which CPU figures of docs/results/host-time.md, apply
 #   bench_cost     ms per step on the Llama-3-8B shape (random weights) against tail
 #             tokens (fafo with 4..170 lanes) at batch 1 and 32
 #   bench_report   the projection (benchmarks/projection.py) and the lane attention cost
@@ -198,6 +203,18 @@ bench_cost() {  # ms per step against tail tokens on the Llama-3-8B shape (rando
     cp "$ROOT"/results/llama3_8b_shape/summary.* "$OUT/llama3_8b_shape/" 2>/dev/null || true
 }
 
+host_regime() {
+    mkdir -p "$OUT/host_regime"
+    outside_checkout benchmarks
+    for evict in 0 2 96; do
+        timeout 240 python3 benchmarks/proposer_step_cost.py --thread-time --steps 300 --ngram --history 128 \
+            --batch-sizes 1,8,32 --controller fixed --pad-drafts --evict-mib "$evict" || true
+    done > "$OUT/host_regime/step_cost.md" 2>&1
+    timeout "$LIMIT" python3 benchmarks/host_time.py --methods fafo,ngram --batch-sizes 1,8,32 --dtype bfloat16 \
+        --cuda-graphs --parts > "$OUT/host_regime/host_time.md" 2> "$ROOT/run/host_time.err" || true
+    tail -n 40 "$ROOT/run/host_time.err" >> "$OUT/host_regime/host_time.md"  # the engines' last words
+}
+
 bench_report() {
     outside_checkout benchmarks
     python3 benchmarks/projection.py --tau "$ROOT/results/smollm2" --cost "$ROOT/results/llama3_8b_shape" || true
@@ -217,8 +234,9 @@ for step in "$@"; do
         bench_trees) bench_trees ;;
         bench_levers) bench_levers ;;
         bench_tiers) bench_tiers ;;
+        host_regime) host_regime ;;
         bench_cost) bench_cost ;;
         bench_report) bench_report ;;
-        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_levers bench_tiers bench_cost bench_report" >&2; exit 2 ;;
+        *) echo "unknown step '$step'; steps: receive install test profile graphs_ab bench_smollm2 bench_trees bench_levers bench_tiers host_regime bench_cost bench_report" >&2; exit 2 ;;
     esac
 done

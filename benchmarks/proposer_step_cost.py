@@ -153,6 +153,11 @@ class _DecodingSteps:
     its drafts' accepted prefix plus one token are decoded (:meth:`prepare`, untimed), then
     the proposer drafts (a subclass's ``run``, timed)."""
 
+    drafts: list[list[int]]
+    """The proposer's last drafts, one per text (set by the subclass's first step)."""
+    sampled: list[list[int]]
+    """What each text decoded this step: its drafts' accepted prefix and one token."""
+
     def __init__(self, rows: np.ndarray, history_len: int) -> None:
         self.rows = rows
         self.num_tokens = np.full(len(rows), history_len, dtype=np.int32)

@@ -146,11 +146,14 @@ class FafoStep:
     branches_attached: bool = False
     branch_argmax: np.ndarray | None = None
     """The target's argmax after each branch token, once the forward ran."""
-    branch_probs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Sampled requests: the target's distribution after each of their branch tokens."""
-    branch_wins: dict[str, tuple[int, int]] = field(default_factory=dict)
+    branch_probs: dict[str, torch.Tensor] | None = None
+    """Sampled requests: the target's distribution after each of their branch tokens.
+    This and the next two are made where branches are planned (None: no branches):
+    making the three containers every step cost 2-4 us of a step after a CPU forward
+    (docs/results/host-time.md)."""
+    branch_wins: dict[str, tuple[int, int]] | None = None
     """Requests whose branch beat the spine: (spine tokens, branch tokens) accepted."""
-    branch_trials: list[tuple[int, int, int]] = field(default_factory=list)
+    branch_trials: list[tuple[int, int, int]] | None = None
     """(rank, tokens, tokens accepted) of each branch off the node where its spine
     stopped: what the controller learns branch yields from."""
     tree_eligible: frozenset[str] = frozenset()
@@ -323,6 +326,7 @@ class FafoProposer:
             step.branches = self._plan_branches(batch, batch.num_tokens + step.lane_tokens)
             if step.branches is not None:
                 step.tree_tokens = step.branches.num_tokens
+                step.branch_probs, step.branch_wins, step.branch_trials = {}, {}, []
         return step.lane_tokens + step.tree_tokens
 
     def attention_plan(self) -> StepPlan | None:
@@ -598,7 +602,7 @@ class FafoProposer:
         return drafts
 
     def _run_step_kernel(self, numbers: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids: np.ndarray,
-                         branch_trials: list[tuple[int, int, int]], tokens: int, seconds: float, lane_tokens: int,
+                         branch_trials: list[tuple[int, int, int]] | None, tokens: int, seconds: float, lane_tokens: int,
                          tree_tokens: int, step_tokens: int, uniform_draft_len: int = -1) -> tuple[int, int, int]:
         """:func:`~vllm_fafo.propose_kernel.propose_step` for the decoding requests of
         ``numbers`` (its ``batch``), with the arguments of the request table, the draft
@@ -609,7 +613,7 @@ class FafoProposer:
         finds short; returns what it did with the drafts' lengths (the mode), and the longest
         and the shortest draft's length. ``numbers`` is :meth:`_batch_numbers`' view: the
         kernel is handed the buffer under it whole, with the batch's count."""
-        slots, count = numbers[0], numbers.shape[1]
+        count = numbers.shape[1]
         trials = np.array(branch_trials, dtype=np.int64).reshape(-1, 3).T.copy() if branch_trials else _NO_TRIALS
         for _ in range(5):  # each shortage is made good once
             held = self._held if self._held is not None else self._hold_step_arrays()
@@ -623,9 +627,9 @@ class FafoProposer:
                 break
             self._held = None  # what lacked room grows
             if status == propose_kernel.ROOM_JUDGE:
-                self.judge.make_room(count, int(slots.max(initial=0)))
+                self.judge.make_room(count, int(numbers[0].max(initial=0)))
             else:  # the kernel wrote the text lengths (numbers[4]) before it found the index short
-                self.index.make_room(status, num_keys, self._table.owners[slots], numbers[4],
+                self.index.make_room(status, num_keys, self._table.owners[numbers[0]], numbers[4],
                                      self.num_speculative_tokens, self.max_model_len)
         else:
             raise RuntimeError(f"FafoProposer: the step's kernel still lacks room ({status}) after growing")

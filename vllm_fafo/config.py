@@ -98,7 +98,7 @@ class FafoConfig:
     shared_pool_mib: int = 32
     """MiB each tenant's pool holds besides its running requests' keys
     (vllm_fafo.drafting.shared_pool): every key is charged as if it held ``pool_capacity``
-    candidates (``PoolArena.bytes_per_key``, 0.88 kB by default, so about 38,000 keys),
+    candidates (``PoolArena.bytes_per_key``, 0.82 kB by default, so about 41,000 keys),
     and the tenant's first filed key is evicted past the bound. At most
     ``shared_pool_tenants`` tenants are kept."""
     shared_pool_tenants: int = 16

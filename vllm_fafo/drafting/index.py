@@ -76,6 +76,14 @@ def first_anchor(config: FafoConfig, prompt_len: int) -> int:
     return 0 if config.seed_from_prompt else max(0, prompt_len - config.ngram_len)
 
 
+def candidate_room(config: FafoConfig) -> int:
+    """Tokens the arena's candidates have room for at first: the text's n-grams, and the
+    lanes' where lanes run (a longer candidate grows the room: :meth:`PoolArena.reserve`).
+    Every column more widens every candidate's row, and a step's walks over candidate
+    lists read whole rows (docs/results/host-time.md)."""
+    return max(config.ngram_len, config.lane_len) if config.num_lanes > 0 else config.ngram_len
+
+
 class DraftIndex:
     """Where every request's drafts come from (:mod:`vllm_fafo.drafting.index`).
 
@@ -87,7 +95,7 @@ class DraftIndex:
         self.config = config
         self.arena = PoolArena(config.max_key_len, config.pool_capacity, min_key_len=config.min_key_len,
                                touch_on_lookup=config.touch_on_lookup, rank=config.rank_candidates,
-                               candidate_len=max(config.ngram_len, config.lane_len), initial_keys=INITIAL_KEYS)
+                               candidate_len=candidate_room(config), initial_keys=INITIAL_KEYS)
         self.shared = None if not config.share_pool else TenantPools(
             self.arena, max_bytes=config.shared_pool_mib << 20, max_tenants=config.shared_pool_tenants)
         self.texts = tenant_texts(config)

@@ -94,6 +94,18 @@ def _table_cells(keys: int, at_least: int = 1) -> int:
     return size
 
 
+def _entry_columns(candidate_len: int) -> int:
+    """Columns of an entry row holding candidates of ``candidate_len`` tokens: even, so that
+    each row's ``E_STAMP`` pair is an aligned int64 (:func:`_stamps_of`)."""
+    columns = kernels.E_TOK + candidate_len
+    return columns + columns % 2
+
+
+def _stamps_of(entries: np.ndarray) -> np.ndarray:
+    """The entries' stamps: a view of each row's two ``E_STAMP`` columns as one int64."""
+    return entries.view(np.int64)[:, kernels.E_STAMP // 2]
+
+
 class PoolArena:
     """The arrays every pool of one engine lives in (:mod:`vllm_fafo.drafting.pool_kernels`),
     with the settings all its pools share, from room for ``initial_keys`` keys. Grows
@@ -118,10 +130,10 @@ class PoolArena:
         self._table = np.zeros(_table_cells(initial_keys), dtype=np.int32)
         self._slots = np.zeros((0, kernels.S_KEY + max_key_len), dtype=np.int32)
         """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
-        self._entries = np.zeros((0, kernels.E_TOK + candidate_len), dtype=np.int32)
-        """A row per candidate: its fields and tokens (``E_*`` columns), the free entries' stack in ``E_FREE``."""
-        self._stamps = np.zeros(0, dtype=np.int64)
-        """Each candidate's recency stamp."""
+        self._entries = np.zeros((0, _entry_columns(candidate_len)), dtype=np.int32)
+        """A row per candidate: its stamp, fields and tokens (``E_*`` columns), the free entries' stack in ``E_FREE``."""
+        self._stamps = _stamps_of(self._entries)
+        """Each candidate's recency stamp: a view of its row's ``E_STAMP`` columns."""
         self._owners = np.zeros((0, kernels.NUM_OWNER_COLUMNS), dtype=np.int64)
         """A row per pool (``O_*`` columns)."""
         self._grow_slots(initial_keys)
@@ -155,10 +167,8 @@ class PoolArena:
 
     def _grow_entries(self, size: int, candidate_len: int) -> None:
         old = self._entries
-        self._entries = self._grown(old, size, kernels.E_TOK + candidate_len, {kernels.E_NEXT: -1})
-        stamps = np.zeros(size, dtype=np.int64)
-        stamps[: len(self._stamps)] = self._stamps
-        self._stamps = stamps
+        self._entries = self._grown(old, size, _entry_columns(candidate_len), {kernels.E_NEXT: -1})
+        self._stamps = _stamps_of(self._entries)
         top = int(self._counters[kernels.CNT_ENTRY_FREE])
         added = np.arange(size - 1, len(old) - 1, -1, dtype=np.int32)
         self._entries[top : top + len(added), kernels.E_FREE] = added
@@ -242,12 +252,13 @@ class PoolArena:
 
     def nbytes(self) -> int:
         """Bytes of all the arena's arrays (allocated, used or not)."""
-        return int(sum(a.nbytes for a in self.state) + self.scratch.nbytes)
+        arrays = (self._cfg, self._counters, self._table, self._slots, self._entries, self._owners, self.scratch)
+        return int(sum(a.nbytes for a in arrays))  # the stamps are the entries' (a view)
 
     def bytes_per_key(self, candidates: int | None = None) -> int:
         """Bytes one key slot and its candidates take (default: at full capacity)."""
         slot = self._slots.itemsize * self._slots.shape[1] + 2 * self._table.itemsize
-        entry = self._entries.itemsize * self._entries.shape[1] + self._stamps.itemsize
+        entry = self._entries.itemsize * self._entries.shape[1]
         return int(slot + (self.capacity if candidates is None else candidates) * entry)
 
     def candidate(self, entry: int) -> Candidate:

@@ -41,9 +41,11 @@ NUM_COUNTERS = 5
 ST_CFG, ST_COUNTERS, ST_TABLE, ST_SLOTS, ST_ENTRIES, ST_STAMPS, ST_OWNERS = range(7)
 # columns of the slots (int32; one row per key, and the free slots' stack)
 S_OWNER, S_KLEN, S_HEAD, S_COUNT, S_PREV, S_NEXT, S_TPOS, S_FREE, S_KEY = range(9)
-# columns of the entries (int32; one row per candidate, and the free entries' stack); stamps are int64 apart
-# E_TAG: the request that last filed the candidate (a tenant's pool; tags are never reused), 0 where untagged
-E_LEN, E_ORIGIN, E_TAG, E_NEXT, E_FREE, E_TOK = range(6)
+# columns of the entries (int32; one row per candidate, and the free entries' stack), an even number: first the
+# candidate's recency stamp, an int64 in two columns (the kernels read the stamps as ST_STAMPS, a view of them: a
+# walk that ranks candidates reads one row per candidate, not a row and a stamp elsewhere); E_TAG: the request that
+# last filed the candidate (a tenant's pool; tags are never reused), 0 where untagged
+E_STAMP, E_LEN, E_ORIGIN, E_TAG, E_NEXT, E_FREE, E_TOK = 0, 2, 3, 4, 5, 6, 7
 # columns of the owners (int64; one row per pool); O_LRU: the owner bounds its keys and a key filed or chosen
 # again moves to its most recently used end (the least recently used evicted first), else keys stay in filing order;
 # O_RUNNING_KEYS: keys its running requests filed, held on top of O_MAX_KEYS (a tenant's pool)

@@ -34,7 +34,6 @@ from vllm_fafo.drafting.pool_kernels import (
     file_candidate,
     has_room,
     hash_key,
-    key_full,
     match_pool,
 )
 from vllm_fafo.drafting.text_kernels import deep_match, feed_text
@@ -113,8 +112,8 @@ def _room(st, heads_room, t_cap, t_len, deep_on, slots, owners, num_tokens, prom
 def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchors, owners, ngram_len,
                   seed_from_output, max_key, num_keys):
     """Read, changing nothing, what the step's filing will probe (each key's table cell,
-    its key row, its candidates' rows and stamps), in passes over its keys (at most
-    ``num_keys``, as :func:`_room` counted them): the cells, the rows, then the candidate
+    its key row, its candidates' rows, each read at its stamp and its link), in passes
+    over its keys (at most ``num_keys``, as :func:`_room` counted them): the cells, the rows, then the candidate
     lists a candidate at a time, every key's in each pass; returns a checksum. Each pass's
     reads are independent of each other, so the processor overlaps their cache misses;
     the filing's own probes wait each for the one before (the caches are cold after a
@@ -133,10 +132,8 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
             for key_len in range(min_key, min(max_key, end) + 1):
                 cells[n] = table[hash_key(owners[s, 0], hist, end - key_len, key_len) & mask]
                 n += 1
-    full = np.empty(n, dtype=np.bool_)  # the filing reads the stamps of a full key's candidates only
     for j in range(n):
         slot = cells[j] - 1
-        full[j] = slot >= 0 and key_full(st, slot)
         cells[j] = keys[slot, S_HEAD] if slot >= 0 else -1
     # walk every key's candidates a step at a time, all keys in each round
     checksum = 0
@@ -146,7 +143,7 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
         for j in range(n):
             e = cells[j]
             if e >= 0:
-                checksum += entries[e, E_LEN] + (stamps[e] if full[j] else 0)
+                checksum += stamps[e]  # the row's first bytes (its stamp; E_NEXT below)
                 cells[j] = entries[e, E_NEXT]
                 live += 1
     return checksum

@@ -252,8 +252,8 @@ class PoolArena:
 
     def nbytes(self) -> int:
         """Bytes of all the arena's arrays (allocated, used or not)."""
-        arrays = (self._cfg, self._counters, self._table, self._slots, self._entries, self._owners, self.scratch)
-        return int(sum(a.nbytes for a in arrays))  # the stamps are the entries' (a view)
+        own = (a for a in self.state if a is not self._stamps)  # the stamps are a view of the entries
+        return int(sum(a.nbytes for a in own) + self.scratch.nbytes)
 
     def bytes_per_key(self, candidates: int | None = None) -> int:
         """Bytes one key slot and its candidates take (default: at full capacity)."""

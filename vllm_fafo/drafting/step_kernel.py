@@ -113,11 +113,11 @@ def _touch_filing(st, history, rows, num_tokens, slots, prompt_lens, next_anchor
                   seed_from_output, max_key, num_keys):
     """Read, changing nothing, what the step's filing will probe (each key's table cell,
     its key row, its candidates' rows, each read at its stamp and its link), in passes
-    over its keys (at most ``num_keys``, as :func:`_room` counted them): the cells, the rows, then the candidate
-    lists a candidate at a time, every key's in each pass; returns a checksum. Each pass's
-    reads are independent of each other, so the processor overlaps their cache misses;
-    the filing's own probes wait each for the one before (the caches are cold after a
-    forward: docs/results/host-time.md)."""
+    over its keys (at most ``num_keys``, as :func:`_room` counted them): the cells, the
+    rows, then the candidate lists a candidate at a time, every key's in each pass;
+    returns a checksum. Each pass's reads are independent of each other, so the processor
+    overlaps their cache misses; the filing's own probes wait each for the one before (the
+    caches are cold after a forward: docs/results/host-time.md)."""
     table, keys, entries, stamps = st[ST_TABLE], st[ST_SLOTS], st[ST_ENTRIES], st[ST_STAMPS]
     mask = len(table) - 1
     min_key = st[ST_CFG][CFG_MIN_KEY]

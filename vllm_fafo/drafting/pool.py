@@ -132,8 +132,6 @@ class PoolArena:
         """A row per key: its fields (``S_*`` columns), the free slots' stack in ``S_FREE``."""
         self._entries = np.zeros((0, _entry_columns(candidate_len)), dtype=np.int32)
         """A row per candidate: its stamp, fields and tokens (``E_*`` columns), the free entries' stack in ``E_FREE``."""
-        self._stamps = _stamps_of(self._entries)
-        """Each candidate's recency stamp: a view of its row's ``E_STAMP`` columns."""
         self._owners = np.zeros((0, kernels.NUM_OWNER_COLUMNS), dtype=np.int64)
         """A row per pool (``O_*`` columns)."""
         self._grow_slots(initial_keys)
@@ -168,7 +166,6 @@ class PoolArena:
     def _grow_entries(self, size: int, candidate_len: int) -> None:
         old = self._entries
         self._entries = self._grown(old, size, _entry_columns(candidate_len), {kernels.E_NEXT: -1})
-        self._stamps = _stamps_of(self._entries)
         top = int(self._counters[kernels.CNT_ENTRY_FREE])
         added = np.arange(size - 1, len(old) - 1, -1, dtype=np.int32)
         self._entries[top : top + len(added), kernels.E_FREE] = added
@@ -188,8 +185,8 @@ class PoolArena:
     def state(self) -> tuple:
         """The arrays, in the order the kernels read them (``ST_*``)."""
         if self._state is None:
-            self._state = (self._cfg, self._counters, self._table, self._slots, self._entries, self._stamps,
-                           self._owners)
+            self._state = (self._cfg, self._counters, self._table, self._slots, self._entries,
+                           _stamps_of(self._entries), self._owners)
         return self._state
 
     def reserve(self, keys: int, candidate_len: int = 0) -> None:
@@ -252,7 +249,7 @@ class PoolArena:
 
     def nbytes(self) -> int:
         """Bytes of all the arena's arrays (allocated, used or not)."""
-        own = (a for a in self.state if a is not self._stamps)  # the stamps are a view of the entries
+        own = (a for i, a in enumerate(self.state) if i != kernels.ST_STAMPS)  # a view of the entries
         return int(sum(a.nbytes for a in own) + self.scratch.nbytes)
 
     def bytes_per_key(self, candidates: int | None = None) -> int:
